@@ -1,0 +1,125 @@
+"""Model -> IRModule -> ``relax.build`` -> ``export_library``, with the manifest and its keys.
+
+The artifact key (what makes a different library) covers the model's shape config, the cache
+layout, dtypes, target, exec mode and every version that changes the compiled code; weight values
+are not in it.  See :mod:`paged_decode.compile.cache` for where artifacts live.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from paged_decode.runtime.errors import CompileError, ConfigError
+from paged_decode.runtime.versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION
+
+from .config import DTYPES, ModelConfig
+from .model import BuildSpec, build_module
+from .params import param_specs
+from .targets import TargetSpec
+
+log = logging.getLogger(__name__)
+EXEC_MODE = "compiled"
+
+
+def make_spec(cfg: ModelConfig, *, block_size: int = 16, max_blocks_cap: int | None = None,
+              max_context: int | None = None, cache_dtype: str = "float32",
+              weight_dtype: str = "float32") -> BuildSpec:
+    """Validate the cache options; ``max_context`` rounds up to whole blocks."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size > 1024:
+        raise ConfigError(f"block_size={block_size!r}: must be an integer in [1, 1024]")
+    if (max_blocks_cap is None) == (max_context is None):
+        raise ConfigError("give exactly one of max_blocks_cap / max_context")
+    if max_context is not None:
+        if not isinstance(max_context, int) or max_context < 1:
+            raise ConfigError(f"max_context={max_context!r}: must be a positive integer")
+        max_blocks_cap = -(-max_context // block_size)
+    if not isinstance(max_blocks_cap, int) or max_blocks_cap < 1:
+        raise ConfigError(f"max_blocks_cap={max_blocks_cap!r}: must be a positive integer")
+    for field, value in (("cache_dtype", cache_dtype), ("weight_dtype", weight_dtype)):
+        if value not in DTYPES:
+            raise ConfigError(f"{field}={value!r}: choose one of {list(DTYPES)}")
+    return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype)
+
+
+def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
+    """Every input that changes the compiled library."""
+    return {
+        "model": spec.config.shape_dict(),
+        "max_blocks_cap": spec.max_blocks_cap,
+        "block_size": spec.block_size,
+        "cache_dtype": spec.cache_dtype,
+        "weight_dtype": spec.weight_dtype,
+        "target": target.key_string,
+        "exec_mode": EXEC_MODE,
+        "tvm_version": tvm.__version__,
+        "package_version": PACKAGE_VERSION,
+        "abi_version": ABI_VERSION,
+    }
+
+
+def digest(fields: dict[str, Any]) -> str:
+    """sha256 of the sorted JSON, 16 hex chars."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
+    """The manifest minus the library hash and timing (also returned by ``_metadata()``)."""
+    cfg = spec.config
+    fields = key_fields(spec, target)
+    return {
+        "manifest_format": MANIFEST_FORMAT,
+        "name": cfg.name,
+        "key": fields,
+        "digest": digest(fields),
+        "target_kind": target.kind,
+        "library": target.library_name,
+        "link_note": target.link_note,
+        "n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_blocks_cap": spec.max_blocks_cap, "block_size": spec.block_size,
+        "cache_dtype": spec.cache_dtype, "weight_dtype": spec.weight_dtype,
+        "params": [[s.name, list(s.shape), s.dtype] for s in param_specs(cfg, spec.weight_dtype)],
+        "functions": ["decode", "prefill", "_metadata"],
+    }
+
+
+def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir: Path) -> Path:
+    """Build and export the library into ``out_dir``; returns its path."""
+    try:
+        mod = build_module(spec, manifest)
+        ex = relax.build(mod, target.target, exec_mode=EXEC_MODE)
+        lib_path = out_dir / target.library_name
+        ex.export_library(str(lib_path))
+    except (tvm.error.InternalError, RuntimeError, ValueError) as e:
+        raise CompileError(f"TVM failed to build {spec.config.name} for {target.kind}: {e}") from e
+    return lib_path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path) -> dict:
+    """Compile into ``out_dir`` and write manifest.json (last, so its presence means complete)."""
+    manifest = manifest_for(spec, target)
+    t0 = time.perf_counter()
+    log.info("compiling %s for %s (key %s)", spec.config.name, target.kind, manifest["digest"])
+    lib_path = compile_library(spec, target, manifest, out_dir)
+    manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
+    manifest["library_sha256"] = sha256_file(lib_path)
+    manifest["library_bytes"] = lib_path.stat().st_size
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest

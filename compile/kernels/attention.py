@@ -1,0 +1,111 @@
+"""Paged attention through the block table, grouped-query, online softmax per block.
+
+Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode):
+  q (n, Hq D) float32 (RoPE applied)
+  k_pool, v_pool (num_blocks, block_size, Hkv, D) cache dtype
+  block_table (1, max_blocks_cap) int32 -- entries past the context are never read
+  decode:  context_len int64 -- the query (position context_len - 1) sees positions < context_len
+  prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
+  -> out (n, Hq D) float32
+Scores are computed a block at a time into a block_size scratch, then folded into the running
+max / sum / accumulator, so no scratch grows with the context.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .common import dtype_tag, finalize, pick_tile
+from .linear import token_dim
+
+
+def _attend_macro(Hq, Hkv, D, bs, cap):
+    group, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+    DV = pick_tile(D, (16, 8, 4, 2, 1))
+
+    @T.macro
+    def attend(q, k_pool, v_pool, bt, out, row, h, ctx):
+        s = T.decl_buffer((bs,), "float32", scope="local")
+        acc = T.decl_buffer((D,), "float32", scope="local")
+        part = T.decl_buffer((DV,), "float32", scope="local")
+        st = T.decl_buffer((4,), "float32", scope="local")  # running max, sum, block max, rescale
+        kvh = h // group
+        st[0] = T.float32(-3.0e38)
+        st[1] = T.float32(0)
+        for d in T.vectorized(D):
+            acc[d] = T.float32(0)
+        for b in range((ctx + bs - 1) // bs):
+            pb = T.Cast("int64", bt[0, b])
+            st[2] = T.float32(-3.0e38)
+            for t in range(T.min(bs, ctx - b * bs)):
+                for v in T.vectorized(DV):
+                    part[v] = T.float32(0)
+                for do in range(D // DV):
+                    for v in T.vectorized(DV):
+                        part[v] = part[v] + q[row, h * D + do * DV + v] * T.Cast(
+                            "float32", k_pool[pb, t, kvh, do * DV + v])
+                for v in range(1, DV):
+                    part[0] = part[0] + part[v]
+                s[t] = part[0] * T.float32(scale)
+                st[2] = T.max(st[2], s[t])
+            st[3] = T.exp(st[0] - T.max(st[0], st[2]))
+            st[0] = T.max(st[0], st[2])
+            st[1] = st[1] * st[3]
+            for d in T.vectorized(D):
+                acc[d] = acc[d] * st[3]
+            for t in range(T.min(bs, ctx - b * bs)):
+                s[t] = T.exp(s[t] - st[0])
+                st[1] = st[1] + s[t]
+                for d in T.vectorized(D):
+                    acc[d] = acc[d] + s[t] * T.Cast("float32", v_pool[pb, t, kvh, d])
+        for d in T.vectorized(D):
+            out[row, h * D + d] = acc[d] / st[1]
+
+    return attend
+
+
+def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """One query token per head against context_len cached positions."""
+    attend = _attend_macro(Hq, Hkv, D, block_size, cap)
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), context_len: T.int64,
+             out: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+            for b in range((context_len + bs - 1) // bs):
+                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+            for h in T.parallel(Hq):
+                attend(q, k_pool, v_pool, bt, out, 0, h, context_len)
+
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
+    attend = _attend_macro(Hq, Hkv, D, block_size, cap)
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    n = token_dim(None)
+
+    @T.prim_func(s_tir=True)
+    def func(var_q: T.handle, var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), start_pos: T.int64, var_out: T.handle):
+        q = T.match_buffer(var_q, (n, Hq * D), "float32")
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        out = T.match_buffer(var_out, (n, Hq * D), "float32")
+        with T.sblock("root"):
+            assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
+            for b in range((start_pos + n + bs - 1) // bs):
+                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+            for ih in T.parallel(n * Hq):
+                attend(q, k_pool, v_pool, bt, out, ih // Hq, ih % Hq, start_pos + ih // Hq + 1)
+
+    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

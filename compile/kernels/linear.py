@@ -1,0 +1,141 @@
+"""Linear layers: ``y[m, c] = sum_k x[m, k] * W[c, k]`` with W in its stored ``[N, K]`` layout.
+
+Decode (``n = 1``) is a GEMV that streams each weight row once with all cores busy; prefill
+(symbolic ``n``) tiles tokens by 4 so every loaded weight vector is reused four times.
+Accumulation is float32 in ``VL``-lane vector registers, reduced once per output.
+
+Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic or 1):
+  x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
+The SwiGLU variant reads W (2I, K) with gate rows then up rows and writes act (n, I).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .common import VL, dtype_tag, finalize, pick_tile
+
+EPILOGUES = ("none", "bias", "residual")
+
+
+def token_dim(n_static: int | None):
+    """The token dimension: a fresh symbolic ``n`` for prefill, the constant for decode."""
+    return tirx.Var("n", "int64") if n_static is None else n_static
+
+
+def _tiles(n, N):
+    tm = 1 if n == 1 else 4
+    return tm, pick_tile(N, (4, 2, 1) if tm > 1 else (8, 4, 2, 1))
+
+
+def _reduce_macro(K, wdt, TM, TN):
+    """acc[r, c, :] += x[m0 + r, k] * W[c0 + c, k] over all k; tail k handled scalar."""
+    KO, KT = K // VL, K % VL
+
+    @T.macro
+    def accumulate(x, W, acc, m0, c0):
+        for r, c, v in T.grid(TM, TN, VL):
+            acc[r, c, v] = T.float32(0)
+        for ko in range(KO):
+            for r, c in T.grid(TM, TN):
+                for v in T.vectorized(VL):
+                    acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * T.Cast(
+                        "float32", W[c0 + c, ko * VL + v])
+        for r, c, v in T.grid(TM, TN, KT):
+            acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * T.Cast(
+                "float32", W[c0 + c, KO * VL + v])
+        for r, c in T.grid(TM, TN):
+            for v in range(1, VL):
+                acc[r, c, 0] = acc[r, c, 0] + acc[r, c, v]
+
+    return accumulate
+
+
+def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | None = None):
+    """y = x @ W.T (+ bias | + res).  ``n_static=1`` builds the decode GEMV, None the prefill."""
+    assert epilogue in EPILOGUES
+    TM, TN = _tiles(n_static, N)
+    acc_main = _reduce_macro(K, wdt, TM, TN)
+    acc_tail = _reduce_macro(K, wdt, 1, TN)
+
+    @T.macro
+    def store(y, acc, m0, c0, rows, bias, res):
+        for r, c in T.grid(rows, TN):
+            if epilogue == "bias":
+                y[m0 + r, c0 + c] = acc[r, c, 0] + bias[c0 + c]
+            elif epilogue == "residual":
+                y[m0 + r, c0 + c] = acc[r, c, 0] + res[m0 + r, c0 + c]
+            else:
+                y[m0 + r, c0 + c] = acc[r, c, 0]
+
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        for co in T.parallel(N // TN):
+            acc = T.decl_buffer((TM, TN, VL), "float32", scope="local")
+            for mo in range(n // TM):
+                acc_main(x, W, acc, mo * TM, co * TN)
+                store(y, acc, mo * TM, co * TN, TM, bias, res)
+            for mt in range(n % TM):
+                acc_tail(x, W, acc, n // TM * TM + mt, co * TN)
+                store(y, acc, n // TM * TM + mt, co * TN, 1, bias, res)
+
+    n = token_dim(n_static)
+    if epilogue == "none":
+        @T.prim_func(s_tir=True)
+        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_y: T.handle):
+            x = T.match_buffer(var_x, (n, K), "float32")
+            y = T.match_buffer(var_y, (n, N), "float32")
+            with T.sblock("root"):
+                body(x, W, y, None, None, n)
+    elif epilogue == "bias":
+        @T.prim_func(s_tir=True)
+        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), bias: T.Buffer((N,), "float32"),
+                 var_y: T.handle):
+            x = T.match_buffer(var_x, (n, K), "float32")
+            y = T.match_buffer(var_y, (n, N), "float32")
+            with T.sblock("root"):
+                body(x, W, y, bias, None, n)
+    else:
+        @T.prim_func(s_tir=True)
+        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_res: T.handle, var_y: T.handle):
+            x = T.match_buffer(var_x, (n, K), "float32")
+            res = T.match_buffer(var_res, (n, N), "float32")
+            y = T.match_buffer(var_y, (n, N), "float32")
+            with T.sblock("root"):
+                body(x, W, y, None, res, n)
+    tag = "gemv" if n_static == 1 else "matmul"
+    return finalize(func, f"{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
+
+
+def linear_swiglu(I: int, K: int, wdt: str, n_static: int | None = None):
+    """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
+    TM, TN = _tiles(n_static, I)
+    acc_main = _reduce_macro(K, wdt, TM, TN)
+    acc_tail = _reduce_macro(K, wdt, 1, TN)
+    n = token_dim(n_static)
+
+    @T.macro
+    def store(act, g, u, m0, c0, rows):
+        for r, c in T.grid(rows, TN):
+            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + T.exp(-g[r, c, 0])) * u[r, c, 0]
+
+    @T.prim_func(s_tir=True)
+    def func(var_x: T.handle, W: T.Buffer((2 * I, K), wdt), var_act: T.handle):
+        x = T.match_buffer(var_x, (n, K), "float32")
+        act = T.match_buffer(var_act, (n, I), "float32")
+        with T.sblock("root"):
+            for co in T.parallel(I // TN):
+                g = T.decl_buffer((TM, TN, VL), "float32", scope="local")
+                u = T.decl_buffer((TM, TN, VL), "float32", scope="local")
+                for mo in range(n // TM):
+                    acc_main(x, W, g, mo * TM, co * TN)
+                    acc_main(x, W, u, mo * TM, I + co * TN)
+                    store(act, g, u, mo * TM, co * TN, TM)
+                for mt in range(n % TM):
+                    acc_tail(x, W, g, n // TM * TM + mt, co * TN)
+                    acc_tail(x, W, u, n // TM * TM + mt, I + co * TN)
+                    store(act, g, u, n // TM * TM + mt, co * TN, 1)
+
+    tag = "gemv" if n_static == 1 else "matmul"
+    return finalize(func, f"{tag}_swiglu_{I}x{K}_{dtype_tag(wdt)}")

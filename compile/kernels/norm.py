@@ -1,0 +1,65 @@
+"""Embedding lookup and RMSNorm (float32 activations).
+
+Buffers (H static, n symbolic for prefill or 1 for decode):
+  embedding: ids (n,) int32, table (V, H) weight dtype -> x (n, H) float32
+  rmsnorm:   x (n, H), w (H,) float32 -> y (n, H);  ``last_only`` normalises row n-1 -> y (1, H)
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import VL, dtype_tag, finalize
+from .linear import token_dim
+
+
+def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
+    """Gather rows of the embedding table; an id outside [0, V) fails the call before any write."""
+    n = token_dim(n_static)
+
+    @T.prim_func(s_tir=True)
+    def func(var_ids: T.handle, table: T.Buffer((V, H), wdt), var_x: T.handle):
+        ids = T.match_buffer(var_ids, (n,), "int32")
+        x = T.match_buffer(var_x, (n, H), "float32")
+        with T.sblock("root"):
+            for i in range(n):
+                assert 0 <= ids[i] and ids[i] < V, "token id out of range of the vocabulary"
+            for i in range(n):
+                for h in T.vectorized(H):
+                    x[i, h] = T.Cast("float32", table[T.Cast("int64", ids[i]), h])
+
+    tag = "dec" if n_static == 1 else "pre"
+    return finalize(func, f"embedding_{tag}_{V}x{H}_{dtype_tag(wdt)}")
+
+
+def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = False):
+    """y = x * rsqrt(mean(x^2) + eps) * w, per row, in float32 (as HF's LlamaRMSNorm)."""
+    n = token_dim(n_static)
+    HO, HT = H // VL, H % VL
+    rows_out = 1 if last_only else n
+
+    @T.prim_func(s_tir=True)
+    def func(var_x: T.handle, w: T.Buffer((H,), "float32"), var_y: T.handle):
+        x = T.match_buffer(var_x, (n, H), "float32")
+        y = T.match_buffer(var_y, (rows_out, H), "float32")
+        with T.sblock("root"):
+            for i in T.parallel(rows_out):
+                acc = T.decl_buffer((VL,), "float32", scope="local")
+                src = T.decl_buffer((1,), "int64", scope="local")
+                src[0] = n - 1 if last_only else i
+                for v in T.vectorized(VL):
+                    acc[v] = T.float32(0)
+                for ho in range(HO):
+                    for v in T.vectorized(VL):
+                        acc[v] = acc[v] + x[src[0], ho * VL + v] * x[src[0], ho * VL + v]
+                for v in range(HT):
+                    acc[v] = acc[v] + x[src[0], HO * VL + v] * x[src[0], HO * VL + v]
+                for v in range(1, VL):
+                    acc[0] = acc[0] + acc[v]
+                acc[1] = T.rsqrt(acc[0] / T.float32(H) + T.float32(eps))
+                for h in T.vectorized(H):
+                    y[i, h] = x[src[0], h] * acc[1] * w[h]
+
+    suffix = "_last" if last_only else ""
+    tag = "dec" if n_static == 1 else "pre"
+    return finalize(func, f"rmsnorm{suffix}_{tag}_{H}")

@@ -1,0 +1,93 @@
+"""RoPE on q and k, fused with the in-place KV write into the paged pool.
+
+Buffers (D = head_dim, QKV = (Hq + 2 Hkv) D, n symbolic for prefill or 1 for decode):
+  qkv (n, QKV) float32 -- rows: q heads | k heads | v heads, straight from the qkv GEMV
+  k_pool, v_pool (num_blocks, block_size, Hkv, D) cache dtype -- written in place
+  inv_freq (D/2,) float32 -- RoPE frequencies (llama3 scaling already applied)
+  block_table (1, max_blocks_cap) int32
+  decode:  write_off, context_len int64 -- writes position context_len - 1 at the flattened
+           offset write_off = physical_block * block_size + slot (checked against the table)
+  prefill: start_pos int64 -- writes positions start_pos .. start_pos + n - 1 via the table
+  -> q_rot (n, Hq D) float32
+Every index is checked before the first write, so a bad call leaves the pool untouched.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .common import dtype_tag, finalize
+from .linear import token_dim
+
+
+def _rope_macro(Hq, Hkv, D, cdt):
+    half = D // 2
+
+    @T.macro
+    def rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, pos, blk, slot):
+        for h, d in T.grid(Hq, half):
+            ang = T.Cast("float32", pos) * inv_freq[d]
+            x0 = qkv[i, h * D + d]
+            x1 = qkv[i, h * D + d + half]
+            q_rot[i, h * D + d] = x0 * T.cos(ang) - x1 * T.sin(ang)
+            q_rot[i, h * D + d + half] = x1 * T.cos(ang) + x0 * T.sin(ang)
+        for h, d in T.grid(Hkv, half):
+            ang = T.Cast("float32", pos) * inv_freq[d]
+            k0 = qkv[i, (Hq + h) * D + d]
+            k1 = qkv[i, (Hq + h) * D + d + half]
+            k_pool[blk, slot, h, d] = T.Cast(cdt, k0 * T.cos(ang) - k1 * T.sin(ang))
+            k_pool[blk, slot, h, d + half] = T.Cast(cdt, k1 * T.cos(ang) + k0 * T.sin(ang))
+        for h in range(Hkv):
+            for d in T.vectorized(D):
+                v_pool[blk, slot, h, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])
+
+    return rope_write
+
+
+def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """Decode variant: one token at the flattened offset ``write_off``."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    nb = tirx.Var("num_blocks", "int64")
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             write_off: T.int64, context_len: T.int64, q_rot: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+            assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
+            assert T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs + (context_len - 1) % bs == write_off, "write_off does not match the block table at context_len - 1"
+            rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
+                       write_off // bs, write_off % bs)
+
+    return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """Prefill variant: n tokens at positions start_pos + i, placed through the block table."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    nb = tirx.Var("num_blocks", "int64")
+    n = token_dim(None)
+
+    @T.prim_func(s_tir=True)
+    def func(var_qkv: T.handle, var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             start_pos: T.int64, var_q: T.handle):
+        qkv = T.match_buffer(var_qkv, (n, QKV), "float32")
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        q_rot = T.match_buffer(var_q, (n, Hq * D), "float32")
+        with T.sblock("root"):
+            assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
+            for b in range(start_pos // bs, (start_pos + n + bs - 1) // bs):
+                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+            for i in T.parallel(n):
+                rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, start_pos + i,
+                           T.Cast("int64", bt[0, (start_pos + i) // bs]), (start_pos + i) % bs)
+
+    return finalize(func, f"rope_kv_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

@@ -1,0 +1,166 @@
+"""The Relax module: ``decode``, ``prefill`` and ``_metadata`` of one Llama-family decoder.
+
+Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symbolic):
+  decode(token_ids (1,) int32, block_table (1, cap) int32, context_len Prim int64,
+         write_off Prim int64, kv_pools Tuple[2 L x (num_blocks, bs, Hkv, D)], params Tuple)
+         -> logits (1, vocab) float32
+  prefill(token_ids (n,) int32, block_table (1, cap) int32, start_pos Prim int64,
+          kv_pools, params) -> logits of the last position (1, vocab) float32
+  _metadata() -> the manifest JSON string
+The pools are written by ``call_tir_inplace``; attention reads the returned pool, which keeps
+each write alive through dead-code elimination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import tvm
+from tvm import relax, tirx
+
+from .config import ModelConfig
+from .kernels.attention import paged_attention_decode, paged_attention_prefill
+from .kernels.linear import linear, linear_swiglu
+from .kernels.norm import embedding, rmsnorm
+from .kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
+from .params import param_specs
+from .rope import rope_inv_freq
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildSpec:
+    """What one artifact is compiled for (the model shape plus the cache layout)."""
+
+    config: ModelConfig
+    max_blocks_cap: int
+    block_size: int
+    cache_dtype: str
+    weight_dtype: str
+
+
+def _f32(*shape):
+    return relax.TensorType(list(shape), "float32")
+
+
+class _Builder:
+    """Emits one function body; ``n_static`` is 1 for decode and None for prefill."""
+
+    def __init__(self, bb: relax.BlockBuilder, spec: BuildSpec, n_static, funcs: dict):
+        self.bb, self.spec, self.cfg, self.n_static = bb, spec, spec.config, n_static
+        self._funcs = funcs  # kernel name -> GlobalVar, shared by the functions of one module
+
+    def kernel(self, prim_func) -> relax.GlobalVar:
+        name = prim_func.attrs["global_symbol"]
+        if name not in self._funcs:
+            self._funcs[name] = self.bb.add_func(prim_func, name)
+        return self._funcs[name]
+
+    def call(self, prim_func, args, out_shape):
+        return self.bb.emit(relax.call_tir(self.kernel(prim_func), args, _f32(*out_shape)))
+
+    def linear(self, x, w, n, N, K, bias=None, res=None):
+        wdt = self.spec.weight_dtype
+        if bias is not None:
+            return self.call(linear(N, K, wdt, "bias", self.n_static), [x, w, bias], (n, N))
+        if res is not None:
+            return self.call(linear(N, K, wdt, "residual", self.n_static), [x, w, res], (n, N))
+        return self.call(linear(N, K, wdt, "none", self.n_static), [x, w], (n, N))
+
+    def layer(self, x, n, p, kv, attn_args):
+        """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
+        cfg, spec = self.cfg, self.spec
+        h, q_size = cfg.hidden_size, cfg.q_size
+        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, self.n_static), [x, p["input_norm"]], (n, h))
+        qkv = self.linear(xn, p["wqkv"], n, cfg.qkv_size, h, bias=p.get("bqkv"))
+        rope, attn, extra_rope, extra_attn = attn_args
+        written = self.bb.emit(relax.call_tir_inplace(
+            self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],
+            [self.pool_ty, self.pool_ty, _f32(n, q_size)]))
+        k_new = self.bb.emit(relax.TupleGetItem(written, 0))
+        v_new = self.bb.emit(relax.TupleGetItem(written, 1))
+        q_rot = self.bb.emit(relax.TupleGetItem(written, 2))
+        o = self.call(attn, [q_rot, k_new, v_new] + extra_attn, (n, q_size))
+        x = self.linear(o, p["wo"], n, h, q_size, res=x)
+        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, self.n_static), [x, p["post_norm"]], (n, h))
+        act = self.call(linear_swiglu(cfg.intermediate_size, h, spec.weight_dtype, self.n_static),
+                        [xn, p["w_gate_up"]], (n, cfg.intermediate_size))
+        x = self.linear(act, p["w_down"], n, h, cfg.intermediate_size, res=x)
+        return x, (k_new, v_new)
+
+    def body(self, token_ids, n, pools, params, attn_args):
+        """Embedding, the layers, the final norm of the last row and the LM head."""
+        cfg, spec = self.cfg, self.spec
+        p = {s.name: self.bb.emit(relax.TupleGetItem(params, i))
+             for i, s in enumerate(param_specs(cfg, spec.weight_dtype))}
+        self.inv_freq = relax.const(rope_inv_freq(cfg), "float32")
+        x = self.call(embedding(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, self.n_static),
+                      [token_ids, p["embed"]], (n, cfg.hidden_size))
+        for layer in range(cfg.n_layers):
+            lp = {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"layers.{layer}.")}
+            kv = [self.bb.emit(relax.TupleGetItem(pools, 2 * layer + j)) for j in (0, 1)]
+            x, _ = self.layer(x, n, lp, kv, attn_args)
+        xl = self.call(rmsnorm(cfg.hidden_size, cfg.rms_norm_eps, self.n_static, last_only=True),
+                       [x, p["final_norm"]], (1, cfg.hidden_size))
+        head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
+        lm_head = linear(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, "none", 1)
+        return self.call(lm_head, [xl, head], (1, cfg.vocab_size))
+
+
+def _pool_and_param_vars(spec: BuildSpec):
+    cfg = spec.config
+    nb = tirx.Var("num_blocks", "int64")
+    pool_ty = relax.TensorType([nb, spec.block_size, cfg.n_kv_heads, cfg.head_dim], spec.cache_dtype)
+    pools = relax.Var("kv_pools", relax.TupleType([pool_ty] * (2 * cfg.n_layers)))
+    params = relax.Var("params", relax.TupleType(
+        [relax.TensorType(list(s.shape), s.dtype) for s in param_specs(cfg, spec.weight_dtype)]))
+    return pool_ty, pools, params
+
+
+def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
+    cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
+    pool_ty, pools, params = _pool_and_param_vars(spec)
+    token_ids = relax.Var("token_ids", relax.TensorType([1], "int32"))
+    table = relax.Var("block_table", relax.TensorType([1, cap], "int32"))
+    ctx = relax.Var("context_len", tvm.ir.PrimType("int64"))
+    off = relax.Var("write_off", tvm.ir.PrimType("int64"))
+    b = _Builder(bb, spec, 1, funcs)
+    b.pool_ty = pool_ty
+    geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
+    attn_args = (rope_kv_write_decode(*geo), paged_attention_decode(*geo),
+                 [table, off, ctx], [table, ctx])
+    with bb.function("decode", [token_ids, table, ctx, off, pools, params]):
+        with bb.dataflow():
+            logits = b.body(token_ids, 1, pools, params, attn_args)
+            out = bb.emit_output(logits)
+        bb.emit_func_output(out)
+
+
+def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
+    cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
+    pool_ty, pools, params = _pool_and_param_vars(spec)
+    n = tirx.Var("n", "int64")
+    token_ids = relax.Var("token_ids", relax.TensorType([n], "int32"))
+    table = relax.Var("block_table", relax.TensorType([1, cap], "int32"))
+    start = relax.Var("start_pos", tvm.ir.PrimType("int64"))
+    b = _Builder(bb, spec, None, funcs)
+    b.pool_ty = pool_ty
+    geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
+    attn_args = (rope_kv_write_prefill(*geo), paged_attention_prefill(*geo),
+                 [table, start], [table, start])
+    with bb.function("prefill", [token_ids, table, start, pools, params]):
+        with bb.dataflow():
+            logits = b.body(token_ids, n, pools, params, attn_args)
+            out = bb.emit_output(logits)
+        bb.emit_func_output(out)
+
+
+def build_module(spec: BuildSpec, manifest: dict) -> tvm.IRModule:
+    """The IRModule with ``decode``, ``prefill`` and ``_metadata``."""
+    bb = relax.BlockBuilder()
+    funcs: dict[str, relax.GlobalVar] = {}
+    _emit_decode(bb, spec, funcs)
+    _emit_prefill(bb, spec, funcs)
+    with bb.function("_metadata", []):
+        bb.emit_func_output(tvm.ir.StringImm(json.dumps(manifest, sort_keys=True)))
+    return bb.get()

@@ -1,0 +1,28 @@
+"""RoPE inverse frequencies, computed as HF transformers does (float32, llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """(head_dim / 2,) float32: ``1 / theta^(2i / head_dim)``, then llama3 scaling if set."""
+    d = cfg.head_dim
+    exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)

@@ -1,0 +1,63 @@
+"""The error family of paged-decode.
+
+Every error a user can cause derives from :class:`PagedDecodeError`; the CLI turns these into one
+clean line and a non-zero exit.  Messages say what went wrong, the offending value, and the next
+step.  ``compile/`` may import this module; it imports nothing from ``compile/``.
+"""
+
+from __future__ import annotations
+
+
+class PagedDecodeError(Exception):
+    """Base of every error paged-decode raises on purpose."""
+
+
+class ConfigError(PagedDecodeError, ValueError):
+    """A model config, preset or option value is unsupported or inconsistent."""
+
+
+class WeightsError(PagedDecodeError):
+    """A checkpoint is missing, incomplete, or does not match its config."""
+
+
+class CompileError(PagedDecodeError):
+    """TVM failed to build an artifact (the TVM error is chained as ``__cause__``)."""
+
+
+class ArtifactError(PagedDecodeError):
+    """An artifact is missing, damaged, stale, or built for something else."""
+
+
+class InputError(PagedDecodeError, ValueError):
+    """A request carries a bad value (token id, prompt, sampling parameter, block table...)."""
+
+
+class OutOfBlocksError(PagedDecodeError):
+    """The KV pool has fewer free blocks than an operation needs."""
+
+    def __init__(self, requested: int, free: int, total: int):
+        self.requested, self.free, self.total = requested, free, total
+        super().__init__(
+            f"KV pool out of blocks: requested {requested}, free {free} of {total}; "
+            "release finished sequences or allocate a larger pool (num_blocks / memory budget)"
+        )
+
+
+class CapacityError(InputError):
+    """A sequence would grow past ``max_blocks_cap * block_size`` tokens of the artifact."""
+
+
+class HandleError(InputError):
+    """A ``SessionHandle`` is released, or belongs to another pool or allocation."""
+
+
+class ValidityError(PagedDecodeError):
+    """A session was used with a validity key it was not built for (pool swapped, cap changed...)."""
+
+
+class TopologyChanged(ValidityError):
+    """The pool topology (allocation, layers, block size, dtype) changed under a live session."""
+
+
+class OffsetRebindError(PagedDecodeError):
+    """The per-token write offset was bound twice in one step with different values."""
