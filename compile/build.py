@@ -18,7 +18,8 @@ import tvm
 from tvm import relax
 
 from paged_decode.runtime.errors import CompileError, ConfigError
-from paged_decode.runtime.versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION
+from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION,
+                                           key_digest)
 
 from .config import DTYPES, ModelConfig
 from .model import BuildSpec, build_module
@@ -65,12 +66,6 @@ def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
     }
 
 
-def digest(fields: dict[str, Any]) -> str:
-    """sha256 of the sorted JSON, 16 hex chars."""
-    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
     """The manifest minus the library hash and timing (also returned by ``_metadata()``)."""
     cfg = spec.config
@@ -79,7 +74,7 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "manifest_format": MANIFEST_FORMAT,
         "name": cfg.name,
         "key": fields,
-        "digest": digest(fields),
+        "digest": key_digest(fields),
         "target_kind": target.kind,
         "library": target.library_name,
         "link_note": target.link_note,

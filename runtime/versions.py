@@ -5,3 +5,12 @@ PACKAGE_VERSION = "0.1.0"
 ABI_VERSION = 1
 MANIFEST_FORMAT = 1
 WEIGHTS_FORMAT = 1
+
+
+def key_digest(fields: dict) -> str:
+    """sha256 of the sorted JSON of the key fields, 16 hex chars (artifact folder suffix)."""
+    import hashlib
+    import json
+
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

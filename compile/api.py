@@ -1,0 +1,115 @@
+"""The build side's entry points: ensure an artifact and a weight pack exist for a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from paged_decode.runtime.errors import WeightsError
+from paged_decode.runtime.versions import WEIGHTS_FORMAT
+
+from . import cache
+from .build import build_into, make_spec, manifest_for
+from .model import BuildSpec
+from .params import param_specs
+from .targets import TargetSpec, resolve_target
+from .weights import ModelSource, export_tokenizer, resolve_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """An artifact folder and the weight pack that goes with it."""
+
+    artifact_dir: Path
+    weights_dir: Path
+    manifest: dict
+    cache_hit: bool
+    weights_cache_hit: bool
+
+
+def shape_key(source: ModelSource, weight_dtype: str) -> str:
+    """Which model weights: the shape config, the weight values and their dtype."""
+    blob = json.dumps({"model": source.config.shape_dict(), "weights": source.weights_key,
+                       "weight_dtype": weight_dtype}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _manifest_complete(path: Path) -> bool:
+    return (path / "manifest.json").is_file()
+
+
+def _weights_complete(path: Path) -> bool:
+    return (path / "weights.json").is_file()
+
+
+def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
+    digest = manifest_for(spec, target)["digest"]
+    return f"{cache.safe_name(spec.config.name)}-{target.kind}-{digest}"
+
+
+def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
+                    ) -> tuple[Path, bool]:
+    name = artifact_name(spec, target)
+    hint = (f"paged-compile --model {spec.config.name} --target {target.kind} "
+            f"--block-size {spec.block_size} --max-blocks-cap {spec.max_blocks_cap} "
+            f"--cache-dtype {spec.cache_dtype} --weight-dtype {spec.weight_dtype}")
+    return cache.locked_build(root, name, lambda d: build_into(spec, target, d),
+                              _manifest_complete, policy, hint)
+
+
+def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:
+    """params.safetensors (our layout), the tokenizer, and weights.json written last."""
+    from safetensors.numpy import save_file
+
+    params = source.load_params(weight_dtype)
+    specs = param_specs(source.config, weight_dtype)
+    for s in specs:
+        arr = params.get(s.name)
+        if arr is None or tuple(arr.shape) != s.shape or str(arr.dtype) != s.dtype:
+            raise WeightsError(f"weight {s.name}: expected {s.shape} {s.dtype}, got "
+                               f"{None if arr is None else (arr.shape, arr.dtype)}")
+    save_file({s.name: params[s.name] for s in specs}, str(out_dir / "params.safetensors"))
+    if source.kind != "hf" or (source.path / "tokenizer.json").is_file():
+        export_tokenizer(source, out_dir)
+    else:
+        log.warning("%s has no tokenizer.json: the pack serves token ids only", source.path)
+    meta = {"weights_format": WEIGHTS_FORMAT, "name": source.config.name,
+            "shape_key": shape_key(source, weight_dtype), "weights_key": source.weights_key,
+            "weight_dtype": weight_dtype, "model": source.config.shape_dict(),
+            "params": [[s.name, list(s.shape), s.dtype] for s in specs]}
+    (out_dir / "weights.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+
+
+def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: str,
+                   ) -> tuple[Path, bool]:
+    wroot = root / "weights"
+    wroot.mkdir(exist_ok=True)
+    name = f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
+    policy = "on" if policy == "redo" else policy  # weights are a pure conversion
+    return cache.locked_build(wroot, name, lambda d: write_weight_pack(source, weight_dtype, d),
+                              _weights_complete, policy, "paged-compile --model ...")
+
+
+def prepare(model: str | None = None, *, target: str | None = None, block_size: int = 16,
+            max_context: int | None = None, max_blocks_cap: int | None = None,
+            cache_dtype: str = "float32", weight_dtype: str = "float32",
+            artifacts: str | Path | None = None, policy: str | None = None,
+            force: bool = False) -> Prepared:
+    """Resolve the model, then build (or reuse) its artifact and weight pack."""
+    source = resolve_model(model)
+    if max_context is None and max_blocks_cap is None:
+        max_context = min(source.config.max_position_embeddings, 2048)
+    spec = make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
+                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+    tspec = resolve_target(target)
+    root = cache.artifacts_root(artifacts)
+    policy = "redo" if force else cache.cache_policy(policy)
+    art_dir, hit = ensure_artifact(spec, tspec, root, policy)
+    w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy)
+    manifest = json.loads((art_dir / "manifest.json").read_text())
+    return Prepared(art_dir, w_dir, manifest, hit, w_hit)
