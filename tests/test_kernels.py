@@ -1,0 +1,225 @@
+"""Kernels against independent numpy references (paged attention, KV write, linear, norms)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import tvm
+
+from paged_decode.compile.kernels.attention import paged_attention_decode, paged_attention_prefill
+from paged_decode.compile.kernels.linear import linear, linear_swiglu
+from paged_decode.compile.kernels.norm import embedding, rmsnorm
+from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
+from paged_decode.compile.targets import resolve_target
+
+from .conftest import TOL
+
+HQ, HKV, D, BS, CAP, NB = 4, 2, 16, 4, 6, 11
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(factory, *args):
+    func = factory(*args)
+    lib = tvm.compile(func, target=resolve_target(None).target)
+    return lib[func.attrs["global_symbol"]]
+
+
+def _t(a):
+    return tvm.runtime.tensor(np.ascontiguousarray(a))
+
+
+def ref_attention(q, k_pool, v_pool, table, ctx):
+    """q (Hq, D) against positions [0, ctx) gathered through the block table."""
+    pos = np.arange(ctx)
+    k = k_pool[table[pos // BS], pos % BS].astype(np.float64)  # (ctx, Hkv, D)
+    v = v_pool[table[pos // BS], pos % BS].astype(np.float64)
+    out = np.empty((HQ, D))
+    for h in range(HQ):
+        s = k[:, h // (HQ // HKV)] @ q[h].astype(np.float64) / np.sqrt(D)
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v[:, h // (HQ // HKV)]
+    return out.reshape(-1)
+
+
+def ref_rope(x, pos, inv_freq):
+    x = x.reshape(-1, D).astype(np.float64)
+    ang = pos * inv_freq.astype(np.float64)
+    c, s = np.cos(ang), np.sin(ang)
+    x0, x1 = x[:, : D // 2], x[:, D // 2:]
+    return np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], -1)
+
+
+@pytest.fixture
+def pools(request):
+    cdt = request.param
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((NB, BS, HKV, D)).astype(cdt)
+    v = rng.standard_normal((NB, BS, HKV, D)).astype(cdt)
+    table = np.zeros((1, CAP), np.int32)
+    table[0] = rng.permutation(NB)[:CAP]  # non-contiguous, permuted physical blocks
+    return cdt, k, v, table
+
+
+@pytest.mark.parametrize("pools", ["float32", "float16"], indirect=True)
+@pytest.mark.parametrize("ctx", [1, BS - 1, BS, BS + 1, 3 * BS + 2, CAP * BS])
+def test_paged_attention_decode(pools, ctx):
+    cdt, k, v, table = pools
+    q = np.random.default_rng(ctx).standard_normal((1, HQ * D)).astype(np.float32)
+    out = _t(np.zeros((1, HQ * D), np.float32))
+    _compiled(paged_attention_decode, HQ, HKV, D, BS, CAP, cdt)(
+        _t(q), _t(k), _t(v), _t(table), ctx, out)
+    ref = ref_attention(q[0].reshape(HQ, D), k, v, table[0], ctx)
+    np.testing.assert_allclose(out.numpy()[0], ref, atol=TOL["float32"], rtol=0)
+
+
+@pytest.mark.parametrize("pools", ["float32"], indirect=True)
+def test_padded_table_equals_exact_width_table(pools):
+    """Entries past the context are never read: garbage padding gives identical output."""
+    cdt, k, v, table = pools
+    ctx = BS + 2
+    q = _t(np.random.default_rng(1).standard_normal((1, HQ * D)).astype(np.float32))
+    exact, garbage = table.copy(), table.copy()
+    exact[0, 2:] = 0
+    garbage[0, 2:] = NB - 1
+    outs = []
+    for tab in (exact, garbage):
+        out = _t(np.zeros((1, HQ * D), np.float32))
+        _compiled(paged_attention_decode, HQ, HKV, D, BS, CAP, cdt)(
+            q, _t(k), _t(v), _t(tab), ctx, out)
+        outs.append(out.numpy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("pools", ["float32", "float16"], indirect=True)
+def test_paged_attention_prefill_causal(pools):
+    cdt, k, v, table = pools
+    n, start = 9, 3
+    q = np.random.default_rng(3).standard_normal((n, HQ * D)).astype(np.float32)
+    out = _t(np.zeros((n, HQ * D), np.float32))
+    _compiled(paged_attention_prefill, HQ, HKV, D, BS, CAP, cdt)(
+        _t(q), _t(k), _t(v), _t(table), start, out)
+    for i in range(n):
+        ref = ref_attention(q[i].reshape(HQ, D), k, v, table[0], start + i + 1)
+        np.testing.assert_allclose(out.numpy()[i], ref, atol=TOL["float32"], rtol=0)
+
+
+@pytest.mark.parametrize("pools", ["float32", "float16"], indirect=True)
+@pytest.mark.parametrize("ctx", [1, BS, BS + 1, 3 * BS + 2])
+def test_kv_write_lands_exactly_at_offset(pools, ctx):
+    cdt, k, v, table = pools
+    rng = np.random.default_rng(ctx)
+    qkv = rng.standard_normal((1, (HQ + 2 * HKV) * D)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    pos = ctx - 1
+    off = int(table[0, pos // BS]) * BS + pos % BS
+    kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((1, HQ * D), np.float32))
+    _compiled(rope_kv_write_decode, HQ, HKV, D, BS, CAP, cdt)(
+        _t(qkv), kt, vt, _t(inv_freq), _t(table), off, ctx, q_rot)
+    k2, v2 = kt.numpy(), vt.numpy()
+    blk, slot = divmod(off, BS)
+    tol = TOL[cdt]
+    np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[0, HQ * D:(HQ + HKV) * D], pos, inv_freq),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(v2[blk, slot], qkv[0, (HQ + HKV) * D:].reshape(HKV, D),
+                               atol=tol, rtol=tol)
+    np.testing.assert_allclose(q_rot.numpy()[0], ref_rope(qkv[0, :HQ * D], pos, inv_freq).reshape(-1),
+                               atol=TOL["float32"], rtol=0)
+    untouched = np.ones((NB, BS), bool)
+    untouched[blk, slot] = False
+    assert k2[untouched].tobytes() == k[untouched].tobytes()
+    assert v2[untouched].tobytes() == v[untouched].tobytes()
+
+
+@pytest.mark.parametrize("pools", ["float32"], indirect=True)
+@pytest.mark.parametrize("bad", ["offset_mismatch", "offset_outside", "ctx_zero", "ctx_past_cap"])
+def test_kv_write_rejects_bad_indices_without_writing(pools, bad):
+    cdt, k, v, table = pools
+    ctx = 5
+    off = int(table[0, (ctx - 1) // BS]) * BS + (ctx - 1) % BS
+    off, ctx = {"offset_mismatch": (off + 1, ctx), "offset_outside": (NB * BS, ctx),
+                "ctx_zero": (off, 0), "ctx_past_cap": (off, CAP * BS + 1)}[bad]
+    kt, vt = _t(k), _t(v)
+    with pytest.raises(Exception):
+        _compiled(rope_kv_write_decode, HQ, HKV, D, BS, CAP, cdt)(
+            _t(np.ones((1, (HQ + 2 * HKV) * D), np.float32)), kt, vt,
+            _t(np.ones(D // 2, np.float32)), _t(table), off, ctx,
+            _t(np.zeros((1, HQ * D), np.float32)))
+    assert kt.numpy().tobytes() == k.tobytes() and vt.numpy().tobytes() == v.tobytes()
+
+
+@pytest.mark.parametrize("pools", ["float16"], indirect=True)
+def test_kv_write_prefill_through_table(pools):
+    cdt, k, v, table = pools
+    n, start = 6, 2
+    qkv = np.random.default_rng(5).standard_normal((n, (HQ + 2 * HKV) * D)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((n, HQ * D), np.float32))
+    _compiled(rope_kv_write_prefill, HQ, HKV, D, BS, CAP, cdt)(
+        _t(qkv), kt, vt, _t(inv_freq), _t(table), start, q_rot)
+    k2 = kt.numpy()
+    touched = np.zeros((NB, BS), bool)
+    for i in range(n):
+        blk, slot = table[0, (start + i) // BS], (start + i) % BS
+        touched[blk, slot] = True
+        np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[i, HQ * D:(HQ + HKV) * D], start + i,
+                                                           inv_freq), atol=TOL[cdt], rtol=TOL[cdt])
+    assert k2[~touched].tobytes() == k[~touched].tobytes()
+
+
+@pytest.mark.parametrize("wdt", ["float32", "float16"])
+@pytest.mark.parametrize("n_static,n", [(1, 1), (None, 1), (None, 7)])
+@pytest.mark.parametrize("epilogue", ["none", "bias", "residual"])
+def test_linear(wdt, n_static, n, epilogue):
+    N, K = 40, 72  # K not a multiple of the vector width: exercises the tail
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(wdt)
+    extra = {"bias": rng.standard_normal(N).astype(np.float32),
+             "residual": rng.standard_normal((n, N)).astype(np.float32)}.get(epilogue)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if extra is None else extra)
+    y = _t(np.zeros((n, N), np.float32))
+    args = [_t(x), _t(w)] + ([] if extra is None else [_t(extra)])
+    _compiled(linear, N, K, wdt, epilogue, n_static)(*args, y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_static,n", [(1, 1), (None, 6)])
+def test_linear_swiglu(n_static, n):
+    inter, K = 24, 40
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((2 * inter, K)).astype(np.float32)
+    gu = x.astype(np.float64) @ w.astype(np.float64).T
+    g, u = gu[:, :inter], gu[:, inter:]
+    ref = g / (1 + np.exp(-g)) * u
+    y = _t(np.zeros((n, inter), np.float32))
+    _compiled(linear_swiglu, inter, K, "float32", n_static)(_t(x), _t(w), y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_rmsnorm(last_only):
+    H, n = 72, 5
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    w = rng.standard_normal(H).astype(np.float32)
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    ref = ref[-1:] if last_only else ref
+    y = _t(np.zeros(ref.shape, np.float32))
+    _compiled(rmsnorm, H, 1e-5, None, last_only)(_t(x), _t(w), y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_embedding_gathers_and_rejects_out_of_range_ids():
+    V, H = 30, 20
+    table = np.random.default_rng(3).standard_normal((V, H)).astype(np.float16)
+    ids = np.array([0, 29, 4], np.int32)
+    x = _t(np.zeros((3, H), np.float32))
+    fn = _compiled(embedding, V, H, "float16", None)
+    fn(_t(ids), _t(table), x)
+    np.testing.assert_array_equal(x.numpy(), table[ids].astype(np.float32))
+    for bad in (V, -1):
+        with pytest.raises(Exception, match="out of range"):
+            fn(_t(np.array([1, bad, 2], np.int32)), _t(table), x)
