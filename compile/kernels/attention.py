@@ -18,7 +18,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import dtype_tag, finalize, pick_tile
+from .common import cached, dtype_tag, finalize, pick_tile
 from .linear import token_dim
 
 
@@ -67,6 +67,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap):
     return attend
 
 
+@cached
 def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """One query token per head against context_len cached positions."""
     attend = _attend_macro(Hq, Hkv, D, block_size, cap)
@@ -88,6 +89,7 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
+@cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
     attend = _attend_macro(Hq, Hkv, D, block_size, cap)

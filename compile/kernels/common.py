@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from tvm import tirx
 
 VL = 16  # f32 vector lanes the CPU kernels accumulate in (one AVX-512 register; 2 x AVX2)
@@ -24,3 +26,8 @@ def pick_tile(n: int, candidates=(8, 4, 2, 1)) -> int:
 
 def dtype_tag(dtype: str) -> str:
     return {"float32": "f32", "float16": "f16"}[dtype]
+
+
+def cached(factory):
+    """Memoise a kernel factory: TVMScript parsing dominates graph building otherwise."""
+    return functools.lru_cache(maxsize=None)(factory)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import VL, dtype_tag, finalize, pick_tile
+from .common import cached, VL, dtype_tag, finalize, pick_tile
 
 EPILOGUES = ("none", "bias", "residual")
 
@@ -52,6 +52,7 @@ def _reduce_macro(K, wdt, TM, TN):
     return accumulate
 
 
+@cached
 def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | None = None):
     """y = x @ W.T (+ bias | + res).  ``n_static=1`` builds the decode GEMV, None the prefill."""
     assert epilogue in EPILOGUES
@@ -108,6 +109,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | Non
     return finalize(func, f"{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
+@cached
 def linear_swiglu(I: int, K: int, wdt: str, n_static: int | None = None):
     """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
     TM, TN = _tiles(n_static, I)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, dtype_tag, finalize
+from .common import cached, VL, dtype_tag, finalize
 from .linear import token_dim
 
 
+@cached
 def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     """Gather rows of the embedding table; an id outside [0, V) fails the call before any write."""
     n = token_dim(n_static)
@@ -32,6 +33,7 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     return finalize(func, f"embedding_{tag}_{V}x{H}_{dtype_tag(wdt)}")
 
 
+@cached
 def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = False):
     """y = x * rsqrt(mean(x^2) + eps) * w, per row, in float32 (as HF's LlamaRMSNorm)."""
     n = token_dim(n_static)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import dtype_tag, finalize
+from .common import cached, dtype_tag, finalize
 from .linear import token_dim
 
 
@@ -45,6 +45,7 @@ def _rope_macro(Hq, Hkv, D, cdt):
     return rope_write
 
 
+@cached
 def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """Decode variant: one token at the flattened offset ``write_off``."""
     rope_write = _rope_macro(Hq, Hkv, D, cdt)
@@ -67,6 +68,7 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
     return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
+@cached
 def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """Prefill variant: n tokens at positions start_pos + i, placed through the block table."""
     rope_write = _rope_macro(Hq, Hkv, D, cdt)
