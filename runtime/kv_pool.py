@@ -1,0 +1,472 @@
+"""The paged KV pool: pool tensors, a block allocator with ref counts, and per-sequence handles.
+
+Layout: ``2 * n_layers`` tensors of shape ``(num_blocks, block_size, n_kv_heads, head_dim)`` and
+dtype ``cache_dtype``, ordered ``(k0, v0, k1, v1, ...)``, allocated once per pool.  A sequence
+(:class:`SessionHandle`) owns a list of physical block ids; its logical position ``pos`` lives in
+block ``blocks[pos // block_size]`` at slot ``pos % block_size``, i.e. at the flattened row
+``write_offset(pos) = physical_block * block_size + slot``.
+
+Write protocol (the session layer must follow it):
+
+1. ``h.reserve(n)`` before writing positions ``[h.length, h.length + n)``.  It allocates the
+   missing blocks and copies-on-write every block in that range that is shared through
+   :meth:`SessionHandle.fork`, all or nothing.
+2. Hand ``h.fill_block_table(out)`` / ``h.write_offset(pos)`` to the compiled function.
+3. ``h.advance(n)`` once the write has happened.
+
+A write anywhere else (below ``h.length``) needs ``h.prepare_write(pos)`` first.
+
+Thread safety: each pool has one lock around its allocator, its handle registry and its
+``alloc_id``; handle methods take it.  Separate pools are independent.  A single handle is not safe
+to use from two threads at once (its length and write protocol are one caller's state).
+Handles are not released by garbage collection: call :meth:`SessionHandle.release`.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+
+import numpy as np
+import tvm
+
+from paged_decode.runtime.errors import (
+    CapacityError, ConfigError, HandleError, InputError, OutOfBlocksError,
+)
+
+log = logging.getLogger(__name__)
+
+CACHE_DTYPES = {"float32": 4, "float16": 2}  # cache_dtype -> bytes per element
+_KDL_CPU = 1  # DLPack device type of host memory
+
+_ALLOC_IDS = itertools.count(1)  # process-unique pool allocation ids
+_SEQ_IDS = itertools.count(1)  # process-unique sequence ids
+_ID_LOCK = threading.Lock()
+
+
+def _mint(counter: itertools.count) -> int:
+    with _ID_LOCK:
+        return next(counter)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+class PoolConfigError(ConfigError, InputError):
+    """A pool argument (shape, dtype, size or memory budget) is invalid.
+
+    Both a :class:`ConfigError` and an :class:`InputError`, so either catch works.
+    """
+
+
+class BlockAllocator:
+    """Free list (LIFO) and ref counts over the block ids ``0 .. num_blocks - 1``.
+
+    Pure Python and not locked: :class:`PagedKVCache` calls it under its own lock.  Misuse by the
+    pool itself (decref of a free block, incref of a free block) is an ``AssertionError``.
+    """
+
+    def __init__(self, num_blocks: int):
+        assert _is_count(num_blocks) and num_blocks >= 1, num_blocks
+        self._num_blocks = int(num_blocks)
+        self._free = list(range(self._num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._ref = [0] * self._num_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def refcount(self, block: int) -> int:
+        return self._ref[block]
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` fresh blocks with ref count 1, or :class:`OutOfBlocksError` and no change."""
+        assert _is_count(n) and n >= 0, n
+        if n > len(self._free):
+            raise OutOfBlocksError(n, len(self._free), self._num_blocks)
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._ref[b] = 1
+        return blocks
+
+    def incref(self, blocks) -> None:
+        for b in blocks:
+            assert self._ref[b] > 0, f"incref of free block {b}"
+        for b in blocks:
+            self._ref[b] += 1
+
+    def decref(self, blocks) -> None:
+        """Drop one reference per listed block; a block whose count reaches 0 is free again."""
+        for b, n in collections.Counter(blocks).items():
+            assert self._ref[b] >= n, f"decref of block {b} below 0 (ref count {self._ref[b]})"
+        for b in blocks:
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free.append(b)
+
+    def state(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(free list, ref counts)`` as tuples, to compare before/after in tests."""
+        return tuple(self._free), tuple(self._ref)
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), f"duplicate block in the free list {self._free}"
+        assert all(0 <= b < self._num_blocks for b in free), f"bad block id in {self._free}"
+        for b, ref in enumerate(self._ref):
+            assert ref >= 0, f"block {b}: negative ref count {ref}"
+            assert (ref == 0) == (b in free), f"block {b}: ref count {ref}, free={b in free}"
+        owned = sum(1 for ref in self._ref if ref > 0)
+        assert owned + len(free) == self._num_blocks, (owned, len(free), self._num_blocks)
+
+
+class PagedKVCache:
+    """The KV pool of one model: ``2 * n_layers`` tensors and the allocator over their blocks.
+
+    Give exactly one of ``num_blocks`` or ``memory_budget_bytes`` (the budget covers K and V of
+    all layers; ``num_blocks = budget // bytes_per_block``).  ``device`` defaults to
+    ``tvm.cpu()``.  The tensors are zero-filled once; :attr:`pools` is the same tuple for the
+    pool's whole life, so it can be passed to the VM as built.
+    """
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
+                 cache_dtype: str, *, num_blocks: int | None = None,
+                 memory_budget_bytes: int | None = None, device=None):
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads),
+                            ("head_dim", head_dim), ("block_size", block_size)):
+            if not _is_count(value) or value <= 0:
+                raise PoolConfigError(f"{name}={value!r}: must be a positive integer")
+        if cache_dtype not in CACHE_DTYPES:
+            raise PoolConfigError(f"cache_dtype={cache_dtype!r}: supported are {list(CACHE_DTYPES)}")
+        self.n_layers, self.n_kv_heads = int(n_layers), int(n_kv_heads)
+        self.head_dim, self.block_size, self.cache_dtype = int(head_dim), int(block_size), cache_dtype
+        self.num_blocks = self._resolve_num_blocks(num_blocks, memory_budget_bytes)
+        self.device = tvm.cpu() if device is None else device
+        self._lock = threading.RLock()
+        self._pools = tuple(self._new_tensor() for _ in range(2 * self.n_layers))
+        self._host_views = self._make_host_views()
+        self._allocator = BlockAllocator(self.num_blocks)
+        self._handles: dict[int, SessionHandle] = {}
+        self._alloc_id = _mint(_ALLOC_IDS)
+        log.debug("KV pool %d: %d blocks, %d bytes on %s", self._alloc_id, self.num_blocks,
+                  self.nbytes, self.device)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across K and V of all layers."""
+        per_tensor = self.block_size * self.n_kv_heads * self.head_dim * CACHE_DTYPES[self.cache_dtype]
+        return 2 * self.n_layers * per_tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @property
+    def pools(self) -> tuple:
+        """``(k0, v0, k1, v1, ...)``, each ``(num_blocks, block_size, n_kv_heads, head_dim)``."""
+        return self._pools
+
+    @property
+    def alloc_id(self) -> int:
+        """Process-unique id of the current allocation; changes only on :meth:`clear`."""
+        return self._alloc_id
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The allocator, for inspection (tests, soak); mutate it only through handles."""
+        return self._allocator
+
+    @property
+    def num_free(self) -> int:
+        return self._allocator.num_free
+
+    def topology(self) -> tuple[int, int, str, int]:
+        """``(n_layers, block_size, cache_dtype, alloc_id)``: what a live session depends on."""
+        return self.n_layers, self.block_size, self.cache_dtype, self._alloc_id
+
+    def new_sequence(self) -> SessionHandle:
+        """An empty sequence (no blocks, length 0) owned by this pool."""
+        with self._lock:
+            return self._register([], 0)
+
+    def check_handle(self, handle: SessionHandle) -> None:
+        """Raise :class:`HandleError` unless ``handle`` is a live handle of this pool."""
+        if not isinstance(handle, SessionHandle):
+            raise HandleError(f"expected a SessionHandle, got {type(handle).__name__}")
+        with self._lock:
+            if handle._pool is not self:
+                raise HandleError(
+                    f"sequence {handle.seq_id} belongs to another KV pool (allocation "
+                    f"{handle._alloc_id}), not to this one (allocation {self._alloc_id}); "
+                    "create sequences with this pool's new_sequence()")
+            handle._check("check_handle")
+
+    def owned_blocks(self) -> dict[int, list[int]]:
+        """``seq_id -> blocks`` of every live handle (for tests and debugging)."""
+        with self._lock:
+            return {sid: list(h._blocks) for sid, h in self._handles.items()}
+
+    def clear(self) -> None:
+        """Free every block, invalidate every live handle and mint a new ``alloc_id``.
+
+        The tensors are kept (not zeroed): their old contents are unreachable without a handle.
+        """
+        with self._lock:
+            self._handles.clear()
+            self._allocator = BlockAllocator(self.num_blocks)
+            self._alloc_id = _mint(_ALLOC_IDS)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(n_layers={self.n_layers}, n_kv_heads={self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, block_size={self.block_size}, "
+                f"cache_dtype={self.cache_dtype!r}, num_blocks={self.num_blocks}, "
+                f"free={self.num_free}, alloc_id={self._alloc_id})")
+
+    # -- internals (called with self._lock held) ------------------------------------------------
+
+    def _resolve_num_blocks(self, num_blocks, budget) -> int:
+        if (num_blocks is None) == (budget is None):
+            raise PoolConfigError(
+                f"give exactly one of num_blocks ({num_blocks!r}) and memory_budget_bytes ({budget!r})")
+        if num_blocks is not None:
+            if not _is_count(num_blocks) or num_blocks < 1:
+                raise PoolConfigError(f"num_blocks={num_blocks!r}: must be a positive integer")
+            return int(num_blocks)
+        if not _is_count(budget) or budget < 0:
+            raise PoolConfigError(f"memory_budget_bytes={budget!r}: must be a non-negative integer")
+        if budget < self.bytes_per_block:
+            raise PoolConfigError(
+                f"memory_budget_bytes={budget} holds fewer than 1 block of {self.bytes_per_block} "
+                f"bytes (2 * n_layers={self.n_layers} * block_size={self.block_size} * "
+                f"n_kv_heads={self.n_kv_heads} * head_dim={self.head_dim} * {self.cache_dtype}); "
+                "raise the budget or shrink block_size")
+        return int(budget) // self.bytes_per_block
+
+    def _new_tensor(self):
+        shape = (self.num_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+        try:
+            tensor = tvm.runtime.empty(shape, self.cache_dtype, self.device)
+        except Exception as e:  # TVM raises its own error types for out-of-memory
+            raise PoolConfigError(
+                f"could not allocate a KV pool tensor {shape} {self.cache_dtype} on {self.device} "
+                f"({self.nbytes} bytes in all); lower num_blocks or the memory budget") from e
+        if self.device.dlpack_device_type() == _KDL_CPU:
+            np.from_dlpack(tensor)[...] = 0
+        else:
+            tensor.copyfrom(np.zeros(shape, dtype=self.cache_dtype))
+        return tensor
+
+    def _make_host_views(self):
+        if self.device.dlpack_device_type() != _KDL_CPU:
+            return None
+        return tuple(np.from_dlpack(t) for t in self._pools)
+
+    def _register(self, blocks: list[int], length: int) -> SessionHandle:
+        handle = SessionHandle(self, _mint(_SEQ_IDS), blocks, length)
+        self._handles[handle.seq_id] = handle
+        return handle
+
+    def _unregister(self, handle: SessionHandle) -> None:
+        del self._handles[handle.seq_id]
+
+    def _shared(self, blocks: list[int], indices) -> list[int]:
+        """The indices (into ``blocks``) whose block has another owner."""
+        return [i for i in indices if self._allocator.refcount(blocks[i]) > 1]
+
+    def _cow_and_grow(self, handle: SessionHandle, shared: list[int], n_new: int) -> None:
+        """Replace ``handle``'s shared blocks at ``shared`` by private copies, append ``n_new``."""
+        if shared and self._host_views is None:
+            raise NotImplementedError(
+                f"copy-on-write of shared KV blocks is implemented for CPU pools only, this pool "
+                f"is on {self.device}; do not fork sequences on this device")
+        fresh = self._allocator.allocate(len(shared) + n_new)
+        old = [handle._blocks[i] for i in shared]
+        for i, src, dst in zip(shared, old, fresh):
+            for view in self._host_views:  # every layer's K and V
+                view[dst] = view[src]
+            handle._blocks[i] = dst
+        self._allocator.decref(old)  # each stays owned by its other holders (ref count was > 1)
+        handle._blocks.extend(fresh[len(shared):])
+
+
+class SessionHandle:
+    """One sequence in a :class:`PagedKVCache`: its physical blocks and its length in tokens.
+
+    Create it with ``pool.new_sequence()`` or ``handle.fork()``.  Every method raises
+    :class:`HandleError` once the handle is released or its pool was cleared.  Not safe to use
+    from two threads at once.
+    """
+
+    __slots__ = ("_pool", "_alloc_id", "seq_id", "_blocks", "_length", "_released")
+
+    def __init__(self, pool: PagedKVCache, seq_id: int, blocks: list[int], length: int):
+        self._pool, self._alloc_id, self.seq_id = pool, pool.alloc_id, seq_id
+        self._blocks, self._length, self._released = blocks, length, False
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Physical block ids in logical order (a read-only copy)."""
+        with self._pool._lock:
+            self._check("blocks")
+            return tuple(self._blocks)
+
+    @property
+    def length(self) -> int:
+        """Tokens written and advanced over so far."""
+        with self._pool._lock:
+            self._check("length")
+            return self._length
+
+    @property
+    def capacity(self) -> int:
+        """Positions covered by the blocks held: ``len(blocks) * block_size``."""
+        with self._pool._lock:
+            self._check("capacity")
+            return len(self._blocks) * self._pool.block_size
+
+    @property
+    def is_live(self) -> bool:
+        """False once released or once the pool was cleared (never raises)."""
+        return not self._released and self._alloc_id == self._pool.alloc_id
+
+    def reserve(self, n_tokens: int, max_tokens: int | None = None) -> None:
+        """Make positions ``[length, length + n_tokens)`` writable, all or nothing.
+
+        Allocates missing blocks and copies-on-write each block of that range shared with a fork.
+        ``max_tokens`` is the artifact's ``max_blocks_cap * block_size``.  Raises
+        :class:`CapacityError` past it, :class:`OutOfBlocksError` when the pool runs out; either
+        way nothing changed.
+        """
+        with self._pool._lock:
+            self._check("reserve")
+            if not _is_count(n_tokens) or n_tokens < 0:
+                raise InputError(f"n_tokens={n_tokens!r}: must be a non-negative integer")
+            target = self._length + n_tokens
+            if max_tokens is not None and target > max_tokens:
+                raise CapacityError(
+                    f"sequence {self.seq_id}: {self._length} + {n_tokens} = {target} tokens exceed "
+                    f"max_tokens={max_tokens}, the artifact's max_blocks_cap * block_size; truncate "
+                    "the sequence or compile with a larger max_blocks_cap")
+            if n_tokens == 0:
+                return
+            bs, held = self._pool.block_size, len(self._blocks)
+            needed = -(-target // bs)
+            shared = self._pool._shared(self._blocks, range(self._length // bs, min(needed, held)))
+            self._pool._cow_and_grow(self, shared, max(needed - held, 0))
+
+    def prepare_write(self, pos: int) -> None:
+        """Copy-on-write the block holding ``pos`` (< capacity) if it is shared; else nothing.
+
+        Needed only before writing a position that :meth:`reserve` did not cover (``pos <
+        length``).  Raises :class:`OutOfBlocksError` (nothing changed) when no block is free.
+        """
+        with self._pool._lock:
+            self._check("prepare_write")
+            self._check_pos(pos)
+            shared = self._pool._shared(self._blocks, [pos // self._pool.block_size])
+            self._pool._cow_and_grow(self, shared, 0)
+
+    def advance(self, n: int) -> None:
+        """Count ``n`` more tokens as written; they must lie in the reserved capacity."""
+        with self._pool._lock:
+            self._check("advance")
+            assert _is_count(n) and n >= 0, n
+            assert self._length + n <= len(self._blocks) * self._pool.block_size, (
+                f"sequence {self.seq_id}: advance({n}) from length {self._length} past the "
+                f"{len(self._blocks)} reserved blocks; call reserve() first")
+            self._length += n
+
+    def write_offset(self, pos: int) -> int:
+        """``physical_block * block_size + slot`` of logical position ``pos``.
+
+        ``pos`` must be below the reserved capacity and its block must not be shared (call
+        :meth:`reserve` or :meth:`prepare_write` first); otherwise :class:`InputError`.
+        """
+        with self._pool._lock:
+            self._check("write_offset")
+            self._check_pos(pos)
+            bs = self._pool.block_size
+            block = self._blocks[pos // bs]
+            owners = self._pool._allocator.refcount(block)
+            if owners > 1:
+                raise InputError(
+                    f"sequence {self.seq_id}: position {pos} is in block {block}, shared with "
+                    f"{owners - 1} other sequence(s); call reserve() or prepare_write({pos}) first")
+            return block * bs + pos % bs
+
+    def block_table(self, cap: int) -> np.ndarray:
+        """``int32 [cap]``: the block ids, then 0 padding.  :class:`CapacityError` if they don't fit."""
+        out = np.zeros((1, cap), dtype=np.int32)
+        self.fill_block_table(out)
+        return out[0]
+
+    def fill_block_table(self, out: np.ndarray) -> None:
+        """Write the block ids into the caller's ``int32 (1, cap)`` array in place, 0 after them."""
+        if not (isinstance(out, np.ndarray) and out.dtype == np.int32 and out.ndim == 2
+                and out.shape[0] == 1):
+            raise InputError(f"block table must be an int32 array of shape (1, cap), got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+        with self._pool._lock:
+            self._check("fill_block_table")
+            n, cap = len(self._blocks), out.shape[1]
+            if n > cap:
+                raise CapacityError(
+                    f"sequence {self.seq_id}: {n} blocks do not fit a block table of {cap} entries "
+                    "(the artifact's max_blocks_cap); truncate the sequence or compile with a "
+                    "larger max_blocks_cap")
+            out[0, :n] = self._blocks
+            out[0, n:] = 0
+
+    def truncate_to(self, n: int) -> None:
+        """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""
+        with self._pool._lock:
+            self._check("truncate_to")
+            if not _is_count(n) or not 0 <= n <= self._length:
+                raise InputError(f"sequence {self.seq_id}: truncate_to({n!r}) needs 0 <= n <= "
+                                 f"length {self._length}")
+            keep = -(-n // self._pool.block_size)
+            self._pool._allocator.decref(self._blocks[keep:])
+            del self._blocks[keep:]
+            self._length = n
+
+    def fork(self) -> SessionHandle:
+        """A new sequence sharing all of this one's blocks (copy-on-write) and its length."""
+        with self._pool._lock:
+            self._check("fork")
+            self._pool._allocator.incref(self._blocks)
+            return self._pool._register(list(self._blocks), self._length)
+
+    def release(self) -> None:
+        """Give the blocks back.  A second release is a :class:`HandleError`."""
+        with self._pool._lock:
+            self._check("release")
+            self._pool._allocator.decref(self._blocks)
+            self._pool._unregister(self)
+            self._released = True
+
+    def __repr__(self) -> str:
+        state = "live" if self.is_live else "released" if self._released else "cleared"
+        return (f"SessionHandle(seq_id={self.seq_id}, {state}, length={self._length}, "
+                f"blocks={self._blocks})")
+
+    def _check(self, op: str) -> None:
+        if self._released:
+            raise HandleError(f"sequence {self.seq_id}: {op}() on a released handle; start a new "
+                              "sequence with pool.new_sequence()")
+        if self._alloc_id != self._pool.alloc_id:
+            raise HandleError(
+                f"sequence {self.seq_id}: {op}() on a handle of pool allocation {self._alloc_id}, "
+                f"but the pool was cleared (now allocation {self._pool.alloc_id}); start a new "
+                "sequence with pool.new_sequence()")
+
+    def _check_pos(self, pos: int) -> None:
+        cap = len(self._blocks) * self._pool.block_size
+        if not _is_count(pos) or not 0 <= pos < cap:
+            raise InputError(f"sequence {self.seq_id}: position {pos!r} is outside the reserved "
+                             f"capacity [0, {cap}); call reserve() first")
