@@ -1,0 +1,166 @@
+"""The deploy-side tokenizer: ``tokenizer.json`` + ``tokenizer_meta.json`` from an artifact folder.
+
+Needs only ``tokenizers`` and ``jinja2`` (never ``paged_decode.compile``).  The two files are
+written at build time by ``compile.weights.export_tokenizer``:
+
+- ``tokenizer.json``: a ``tokenizers.Tokenizer`` (its post-processor is not used; BOS is added here)
+- ``tokenizer_meta.json``: ``{"bos_id": int|null, "eos_ids": [int], "add_bos": bool,
+  "chat_template": str|null}``
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Iterable
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+import tokenizers
+
+from paged_decode.runtime.errors import ArtifactError, InputError
+
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "tokenizer_meta.json"
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template and stop ids."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, bos_id: int | None, eos_ids: list[int],
+                 add_bos: bool, chat_template: str | None):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = list(eos_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load ``tokenizer.json`` and ``tokenizer_meta.json`` from ``path``."""
+        path = Path(path)
+        for name in (TOKENIZER_FILE, META_FILE):
+            if not (path / name).is_file():
+                raise ArtifactError(f"{path}: {name} is missing; rebuild the artifact "
+                                    "(paged-compile writes the tokenizer next to the library)")
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / TOKENIZER_FILE))
+            meta = json.loads((path / META_FILE).read_text())
+        except Exception as e:  # tokenizers raises a bare Exception on a damaged file
+            raise ArtifactError(f"{path}: tokenizer files are damaged ({e}); "
+                                "rebuild the artifact") from e
+        return cls(backend, meta.get("bos_id"), meta.get("eos_ids", []),
+                   bool(meta.get("add_bos", False)), meta.get("chat_template"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole.
+
+        ``add_bos`` None uses the model's default.  No BOS is added when ``text`` already
+        starts with it (a chat template often writes it).
+        """
+        if not isinstance(text, str):
+            raise InputError(f"text must be a str, got {type(text).__name__}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise InputError("add_bos=True but this model has no BOS token; pass add_bos=False")
+            if ids[:1] != [self.bos_id]:
+                ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (a list or a 1-D integer array)."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token(self, token_id: int | None) -> str | None:
+        """The vocabulary string of one id (None for None)."""
+        return None if token_id is None else self.backend.id_to_token(int(token_id))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
+
+        Encode the result with ``add_bos=False`` when the template writes the BOS itself.
+        """
+        if self.chat_template is None:
+            raise InputError("this model has no chat template; pass a plain prompt instead")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m
+                                                     for m in messages):
+            raise InputError("messages must be a list of {'role', 'content'} dicts, "
+                             f"got {messages!r}")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        bos = self.token(self.bos_id) or ""
+        eos = (self.token(self.eos_ids[0]) or "") if self.eos_ids else ""
+        try:
+            return self._template.render(messages=messages, bos_token=bos, eos_token=eos,
+                                         add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise InputError(f"the chat template rejected the messages: {e}") from e
+
+    def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The template in a sandbox, with the helpers HF chat templates use."""
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ArtifactError(f"the model's chat template does not parse ({e}); rebuild the "
+                            "artifact from a fixed tokenizer config") from e
+
+
+class StreamDecoder:
+    """Incremental detokenisation: ``push`` ids as they are sampled, get only complete text.
+
+    A byte-level token can end inside a UTF-8 character; its text is held back until the
+    character completes.  ``"".join(pushes) + flush()`` equals ``decode(all ids)``.  Decoding
+    restarts from the previous emitted token (not the start), so a step costs O(1) tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: one emitted step back, for context-dependent decoders
+        self._read = 0  # ids before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text it completes ("" while a character is still partial)."""
+        self._ids.append(int(token_id))
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (partial characters decode as U+FFFD)."""
+        done = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return text[len(done):]

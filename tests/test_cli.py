@@ -1,0 +1,70 @@
+"""The commands through click's test runner (tiny preset)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from paged_decode.cli import cache_cmd, compile_cmd, run_cmd
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_compile_then_cache_hit(runner, artifact_root):
+    args = ["--model", "tiny", "--block-size", "4", "--max-context", "64",
+            "--artifacts", str(artifact_root)]
+    first = runner.invoke(compile_cmd, args)
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(compile_cmd, args)
+    assert second.exit_code == 0, second.output
+    assert "cache hit: yes" in second.output
+    lines = dict(line.split(":", 1) for line in second.output.splitlines() if ":" in line)
+    assert lines["key"].strip() in lines["artifact"]
+
+
+def test_print_key_compiles_nothing(runner, tmp_path):
+    result = runner.invoke(compile_cmd, ["--model", "tiny", "--max-context", "32", "--print-key",
+                                         "--artifacts", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    key = json.loads(result.output)
+    assert key["key"]["max_blocks_cap"] == 2 and len(key["digest"]) == 16
+    assert not any(p.name.startswith("tiny") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-preset"], "no-such-preset"),
+    (["--model", "/nonexistent/model.gguf"], "model.gguf"),
+    (["--model", "tiny", "--block-size", "0"], "block_size=0"),
+    (["--model", "tiny", "--max-context", "16", "--max-blocks-cap", "2"], "exactly one"),
+    (["--model", "tiny", "--target", "llvm-but-wrong"], "llvm-but-wrong"),
+])
+def test_bad_input_is_one_clean_line(runner, tmp_path, args, needle):
+    result = runner.invoke(compile_cmd, args + ["--artifacts", str(tmp_path)])
+    assert result.exit_code != 0
+    assert needle in result.output and "Traceback" not in result.output
+    assert result.output.startswith("error: ")
+
+
+def test_run_tiny_streams_and_reports_speed(runner, artifact_root):
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--block-size", "4", "--max-context",
+                                     "64", "--artifacts", str(artifact_root), "--prompt", "hello",
+                                     "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert "decode: 11 tokens" in result.output and "tokens/s" in result.output
+
+
+def test_run_rejects_bad_sampling(runner, artifact_root):
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--artifacts", str(artifact_root),
+                                     "--prompt", "x", "--top-p", "1.5"])
+    assert result.exit_code != 0 and "top_p" in result.output
+
+
+def test_cache_lists_artifacts(runner, artifact_root, build):
+    build("tiny", block_size=4, max_context=64)
+    result = runner.invoke(cache_cmd, ["--artifacts", str(artifact_root)])
+    assert result.exit_code == 0 and "tiny-llvm-" in result.output
