@@ -1,0 +1,166 @@
+"""Baselines for ``paged-bench`` on the same weights: HF transformers eager and llama.cpp.
+
+Both take our ``params`` dict (``param_specs`` layout) and rebuild the engine's own format from
+it: an HF ``LlamaForCausalLM`` state dict, or a GGUF written with the ``gguf`` package (Q/K rows
+permuted the way llama.cpp's converter does).  Each timing returns medians, or ``{"skipped":
+reason}`` when the engine is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def _split_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Our layout -> HF names (q/k/v and gate/up split back apart)."""
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"],
+           "lm_head.weight": params["embed" if cfg.tie_word_embeddings else "lm_head"]}
+    for i in range(cfg.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        wqkv, wgu = params[p + "wqkv"], params[p + "w_gate_up"]
+        out.update({
+            h + "input_layernorm.weight": params[p + "input_norm"],
+            h + "self_attn.q_proj.weight": wqkv[:q], h + "self_attn.k_proj.weight": wqkv[q:q + kv],
+            h + "self_attn.v_proj.weight": wqkv[q + kv:], h + "self_attn.o_proj.weight": params[p + "wo"],
+            h + "post_attention_layernorm.weight": params[p + "post_norm"],
+            h + "mlp.gate_proj.weight": wgu[:inter], h + "mlp.up_proj.weight": wgu[inter:],
+            h + "mlp.down_proj.weight": params[p + "w_down"]})
+    return out
+
+
+def hf_model(cfg: ModelConfig, params: dict, dtype: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hc = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_q_heads,
+                     num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                     vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps,
+                     rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+                     max_position_embeddings=max(cfg.max_position_embeddings, 2048))
+    model = LlamaForCausalLM(hc).eval()
+    state = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in
+             _split_params(cfg, params).items()}
+    model.load_state_dict(state, strict=False)
+    return model.to(getattr(torch, dtype))
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter reorders Q/K rows for its interleaved RoPE."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(cfg: ModelConfig, params: dict, path: Path, dtype: str) -> Path:
+    """A llama-architecture GGUF of these weights (matrices in ``dtype``, norms float32)."""
+    import gguf
+
+    hf = _split_params(cfg, params)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(max(cfg.max_position_embeddings, 2048))
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_head_count(cfg.n_q_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("none")
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for name, value in hf.items():
+        gname = names.get(name) or _gguf_layer_name(name)
+        arr = np.asarray(value, np.float32)
+        if name.endswith("q_proj.weight"):
+            arr = _permute(arr, cfg.n_q_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = _permute(arr, cfg.n_kv_heads)
+        w.add_tensor(gname, arr.astype(dtype) if arr.ndim == 2 else arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_layer_name(name: str) -> str:
+    parts = name.split(".")
+    table = {"input_layernorm": "attn_norm", "q_proj": "attn_q", "k_proj": "attn_k",
+             "v_proj": "attn_v", "o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    leaf = parts[-2]
+    return f"blk.{parts[2]}.{table[leaf]}.weight"
+
+
+def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
+    """Median ms per decode token at each context, and prefill tokens/s."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    out = {"decode_ms": {}, "prefill_tps": {}}
+    with torch.inference_mode():
+        for ctx in contexts:
+            res = model(torch.from_numpy(rng.integers(0, vocab, (1, ctx - 1))), use_cache=True)
+            past, times = res.past_key_values, []
+            for _ in range(n_tokens + 2):
+                t0 = time.perf_counter()
+                res = model(torch.tensor([[1]]), past_key_values=past, use_cache=True)
+                times.append(time.perf_counter() - t0)
+                past = res.past_key_values
+            out["decode_ms"][ctx] = float(np.median(times[2:]) * 1e3)
+        for n in prompt_lens:
+            ids = torch.from_numpy(rng.integers(0, vocab, (1, n)))
+            model(ids[:, :8])
+            t0 = time.perf_counter()
+            model(ids, use_cache=True)
+            out["prefill_tps"][n] = n / (time.perf_counter() - t0)
+    return out
+
+
+def llamacpp_available() -> str | None:
+    """None when llama-cpp-python imports, else the reason it cannot be used."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def time_llamacpp(gguf_path: Path, contexts, n_tokens: int, prompt_lens, threads: int,
+                  cache_dtype: str) -> dict:
+    """Median ms per decode token and prefill tokens/s, KV cache in ``cache_dtype`` like ours."""
+    from llama_cpp import Llama
+
+    ggml_type = {"float32": 0, "float16": 1}[cache_dtype]
+    rng = np.random.default_rng(0)
+    llm = Llama(model_path=str(gguf_path), n_ctx=max(max(contexts), max(prompt_lens)) + n_tokens + 8,
+                n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False,
+                type_k=ggml_type, type_v=ggml_type)
+    vocab = llm.n_vocab()
+    out = {"decode_ms": {}, "prefill_tps": {}}
+    for ctx in contexts:
+        llm.reset()
+        llm.eval(rng.integers(0, vocab, ctx - 1).tolist())
+        times = []
+        for _ in range(n_tokens + 2):
+            t0 = time.perf_counter()
+            llm.eval([1])
+            times.append(time.perf_counter() - t0)
+        out["decode_ms"][ctx] = float(np.median(times[2:]) * 1e3)
+    for n in prompt_lens:
+        llm.reset()
+        ids = rng.integers(0, vocab, n).tolist()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        out["prefill_tps"][n] = n / (time.perf_counter() - t0)
+    return out

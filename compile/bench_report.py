@@ -1,0 +1,100 @@
+"""Writes a ``paged-bench`` report as JSON, a Markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(x, digits=2):
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def _engine_rows(run: dict, contexts) -> list[str]:
+    rows = []
+    engines = {"paged-decode": run["ours"], **run["baselines"]}
+    for name, res in engines.items():
+        if "skipped" in res:
+            rows.append(f"| {run['model']} | {run['dtype']} | {name} | skipped: {res['skipped']} "
+                        + "| " * (len(contexts) + 1) + "|")
+            continue
+        ms = [res["decode_ms"].get(c) for c in contexts]
+        ratio = [run["floor_ms"][c] / m if m else None for c, m in zip(contexts, ms)]
+        tps = res.get("prefill_tps", {})
+        rows.append(f"| {run['model']} | {run['dtype']} | {name} | "
+                    + " | ".join(f"{_fmt(m)} ({_fmt(r)})" for m, r in zip(ms, ratio))
+                    + " | " + ", ".join(f"{n}: {v:.0f}" for n, v in tps.items()) + " |")
+    return rows
+
+
+def markdown(report: dict) -> str:
+    contexts = report["settings"]["contexts"]
+    bw = report["machine"]["bandwidth_gbps"]
+    lines = [f"Read bandwidth: {bw:.1f} GB/s ({report['machine']['cpu_count']} cores).", "",
+             "ms/token at context (fraction of the bandwidth floor); prefill tokens/s by prompt "
+             "length.", "",
+             "| model | dtype | engine | " + " | ".join(f"ctx {c}" for c in contexts)
+             + " | prefill tok/s |",
+             "|---|---|---|" + "---|" * len(contexts) + "---|"]
+    for run in report["runs"]:
+        lines += [f"| {run['model']} | {run['dtype']} | floor | "
+                  + " | ".join(_fmt(run["floor_ms"][c]) for c in contexts) + " | |"]
+        lines += _engine_rows(run, contexts)
+    lines += ["", "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
+              "re-plan/plan-once | llama.cpp/ours tok/s |", "|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        o, lc = run["ours"], run["baselines"].get("llama.cpp", {})
+        speedups = [lc["decode_ms"][c] / o["decode_ms"][c] for c in contexts
+                    if "decode_ms" in lc and c in lc["decode_ms"]]
+        lines.append(f"| {run['model']} | {run['dtype']} | {_fmt(o['compile_seconds'], 1)} | "
+                     f"{_fmt(o['load_seconds'])} | {_fmt(o['paged_vs_contiguous']['ratio'], 3)} | "
+                     f"{_fmt(o['replan']['ratio'], 1)} | "
+                     + (", ".join(f"{s:.2f}" for s in speedups) or "—") + " |")
+    for run in report["runs"]:
+        if "host_overhead" in run["ours"]:
+            h = run["ours"]["host_overhead"]
+            lines += ["", f"Host overhead ({run['model']} {run['dtype']}): whole Python step "
+                      f"{h['python_step_us']:.1f} µs, VM call (time evaluator) "
+                      f"{h['vm_call_us']:.1f} µs, Python part {h['python_overhead_us']:.1f} µs."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        ctx = sorted(run["floor_ms"], key=int)
+        ax.plot(ctx, [run["floor_ms"][c] for c in ctx], "k--", label="bandwidth floor")
+        for name, res in {"paged-decode": run["ours"], **run["baselines"]}.items():
+            if "decode_ms" in res:
+                ax.plot(ctx, [res["decode_ms"][c] for c in ctx], "o-", label=name)
+        ax.set_xscale("log")
+        ax.set_title(f"{run['model']} {run['dtype']}")
+        ax.set_xlabel("context length")
+        ax.set_ylabel("ms / token")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_outputs(report: dict, out_dir: Path) -> dict:
+    paths = {"json": out_dir / "bench.json", "md": out_dir / "bench.md", "png": out_dir / "bench.png"}
+    md = markdown(report)
+    paths["json"].write_text(json.dumps(_jsonable(report), indent=1))
+    paths["md"].write_text(md)
+    plot(report, paths["png"])
+    return {**{k: str(v) for k, v in paths.items()}, "markdown": md}
