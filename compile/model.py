@@ -21,6 +21,7 @@ from tvm import relax, tirx
 
 from .config import ModelConfig
 from .kernels.attention import paged_attention_decode, paged_attention_prefill
+from .kernels.gemv import gemv, gemv_swiglu
 from .kernels.linear import linear, linear_swiglu
 from .kernels.norm import embedding, rmsnorm
 from .kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
@@ -59,20 +60,42 @@ class _Builder:
     def call(self, prim_func, args, out_shape):
         return self.bb.emit(relax.call_tir(self.kernel(prim_func), args, _f32(*out_shape)))
 
+    @property
+    def decode(self) -> bool:
+        return self.n_static == 1
+
     def linear(self, x, w, n, N, K, bias=None, res=None):
+        """Prefill matmul, or decode GEMV, with an optional bias / residual epilogue."""
         wdt = self.spec.weight_dtype
-        if bias is not None:
-            return self.call(linear(N, K, wdt, "bias", self.n_static), [x, w, bias], (n, N))
-        if res is not None:
-            return self.call(linear(N, K, wdt, "residual", self.n_static), [x, w, res], (n, N))
-        return self.call(linear(N, K, wdt, "none", self.n_static), [x, w], (n, N))
+        epilogue, extra = ("bias", [bias]) if bias is not None else (
+            ("residual", [res]) if res is not None else ("none", []))
+        if self.decode:
+            return self.call(gemv(N, K, wdt, epilogue), [x, w] + extra, (1, N))
+        return self.call(linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
+
+    def norm_linear(self, x, g, w, n, N, K, bias=None):
+        """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
+        eps, wdt = self.cfg.rms_norm_eps, self.spec.weight_dtype
+        if self.decode:
+            epilogue, extra = ("bias", [bias]) if bias is not None else ("none", [])
+            return self.call(gemv(N, K, wdt, epilogue, eps), [x, g, w] + extra, (1, N))
+        xn = self.call(rmsnorm(K, eps, None), [x, g], (n, K))
+        return self.linear(xn, w, n, N, K, bias=bias)
+
+    def norm_swiglu(self, x, g, w, n):
+        cfg, wdt = self.cfg, self.spec.weight_dtype
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        if self.decode:
+            return self.call(gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w], (1, inter))
+        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
+        return self.call(linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
     def layer(self, x, n, p, kv, attn_args):
         """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
-        cfg, spec = self.cfg, self.spec
+        cfg = self.cfg
         h, q_size = cfg.hidden_size, cfg.q_size
-        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, self.n_static), [x, p["input_norm"]], (n, h))
-        qkv = self.linear(xn, p["wqkv"], n, cfg.qkv_size, h, bias=p.get("bqkv"))
+        qkv = self.norm_linear(x, p["input_norm"], p["wqkv"], n, cfg.qkv_size, h,
+                               bias=p.get("bqkv"))
         rope, attn, extra_rope, extra_attn = attn_args
         written = self.bb.emit(relax.call_tir_inplace(
             self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],
@@ -82,9 +105,7 @@ class _Builder:
         q_rot = self.bb.emit(relax.TupleGetItem(written, 2))
         o = self.call(attn, [q_rot, k_new, v_new] + extra_attn, (n, q_size))
         x = self.linear(o, p["wo"], n, h, q_size, res=x)
-        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, self.n_static), [x, p["post_norm"]], (n, h))
-        act = self.call(linear_swiglu(cfg.intermediate_size, h, spec.weight_dtype, self.n_static),
-                        [xn, p["w_gate_up"]], (n, cfg.intermediate_size))
+        act = self.norm_swiglu(x, p["post_norm"], p["w_gate_up"], n)
         x = self.linear(act, p["w_down"], n, h, cfg.intermediate_size, res=x)
         return x, (k_new, v_new)
 
@@ -100,11 +121,13 @@ class _Builder:
             lp = {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"layers.{layer}.")}
             kv = [self.bb.emit(relax.TupleGetItem(pools, 2 * layer + j)) for j in (0, 1)]
             x, _ = self.layer(x, n, lp, kv, attn_args)
-        xl = self.call(rmsnorm(cfg.hidden_size, cfg.rms_norm_eps, self.n_static, last_only=True),
-                       [x, p["final_norm"]], (1, cfg.hidden_size))
         head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
-        lm_head = linear(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, "none", 1)
-        return self.call(lm_head, [xl, head], (1, cfg.vocab_size))
+        v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
+        if not self.decode:  # only the last position's logits
+            x = self.call(rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]], (1, h))
+            return self.call(gemv(v, h, spec.weight_dtype), [x, head], (1, v))
+        return self.call(gemv(v, h, spec.weight_dtype, "none", eps), [x, p["final_norm"], head],
+                         (1, v))
 
 
 def _pool_and_param_vars(spec: BuildSpec):

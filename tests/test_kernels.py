@@ -9,6 +9,7 @@ import pytest
 import tvm
 
 from paged_decode.compile.kernels.attention import paged_attention_decode, paged_attention_prefill
+from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
 from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
@@ -168,10 +169,14 @@ def test_kv_write_prefill_through_table(pools):
     assert k2[~touched].tobytes() == k[~touched].tobytes()
 
 
+def _ref_norm(x, g, eps=1e-5):
+    return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * g
+
+
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
-@pytest.mark.parametrize("n_static,n", [(1, 1), (None, 1), (None, 7)])
+@pytest.mark.parametrize("n", [1, 4, 7])
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual"])
-def test_linear(wdt, n_static, n, epilogue):
+def test_prefill_linear(wdt, n, epilogue):
     N, K = 40, 72  # K not a multiple of the vector width: exercises the tail
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -181,22 +186,56 @@ def test_linear(wdt, n_static, n, epilogue):
     ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if extra is None else extra)
     y = _t(np.zeros((n, N), np.float32))
     args = [_t(x), _t(w)] + ([] if extra is None else [_t(extra)])
-    _compiled(linear, N, K, wdt, epilogue, n_static)(*args, y)
+    _compiled(linear, N, K, wdt, epilogue)(*args, y)
     np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n_static,n", [(1, 1), (None, 6)])
-def test_linear_swiglu(n_static, n):
+@pytest.mark.parametrize("wdt", ["float32", "float16"])
+@pytest.mark.parametrize("N,K", [(40, 72), (1000, 520)])  # serial and parallel plans
+@pytest.mark.parametrize("epilogue,norm", [("none", False), ("none", True), ("bias", True),
+                                           ("residual", False)])
+def test_decode_gemv(wdt, N, K, epilogue, norm):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    g = rng.standard_normal(K).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(wdt)
+    extra = {"bias": rng.standard_normal(N).astype(np.float32),
+             "residual": rng.standard_normal((1, N)).astype(np.float32)}.get(epilogue)
+    xn = _ref_norm(x, g) if norm else x.astype(np.float64)
+    ref = xn @ w.astype(np.float64).T + (0 if extra is None else extra)
+    y = _t(np.zeros((1, N), np.float32))
+    args = [_t(x)] + ([_t(g)] if norm else []) + [_t(w)] + ([] if extra is None else [_t(extra)])
+    _compiled(gemv, N, K, wdt, epilogue, 1e-5 if norm else None)(*args, y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=2e-4, rtol=1e-5)
+
+
+def _ref_swiglu(xn, w, inter):
+    gu = xn.astype(np.float64) @ w.astype(np.float64).T
+    g, u = gu[:, :inter], gu[:, inter:]
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_prefill_swiglu(n):
     inter, K = 24, 40
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n, K)).astype(np.float32)
     w = rng.standard_normal((2 * inter, K)).astype(np.float32)
-    gu = x.astype(np.float64) @ w.astype(np.float64).T
-    g, u = gu[:, :inter], gu[:, inter:]
-    ref = g / (1 + np.exp(-g)) * u
     y = _t(np.zeros((n, inter), np.float32))
-    _compiled(linear_swiglu, inter, K, "float32", n_static)(_t(x), _t(w), y)
-    np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
+    _compiled(linear_swiglu, inter, K, "float32")(_t(x), _t(w), y)
+    np.testing.assert_allclose(y.numpy(), _ref_swiglu(x, w, inter), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("inter,K", [(24, 40), (600, 136)])
+def test_decode_norm_swiglu(inter, K):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    g = rng.standard_normal(K).astype(np.float32)
+    w = (rng.standard_normal((2 * inter, K)) * 0.1).astype(np.float32)
+    y = _t(np.zeros((1, inter), np.float32))
+    _compiled(gemv_swiglu, inter, K, "float32", 1e-5)(_t(x), _t(g), _t(w), y)
+    np.testing.assert_allclose(y.numpy(), _ref_swiglu(_ref_norm(x, g), w, inter), atol=1e-4,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("last_only", [False, True])

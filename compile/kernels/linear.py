@@ -1,10 +1,10 @@
-"""Linear layers: ``y[m, c] = sum_k x[m, k] * W[c, k]`` with W in its stored ``[N, K]`` layout.
+"""Prefill linear layers: ``y[m, c] = sum_k x[m, k] * W[c, k]``, W in its stored ``[N, K]`` layout.
 
-Decode (``n = 1``) is a GEMV that streams each weight row once with all cores busy; prefill
-(symbolic ``n``) tiles tokens by 4 so every loaded weight vector is reused four times.
-Accumulation is float32 in ``VL``-lane vector registers, reduced once per output.
+Tokens are tiled by 4 so every loaded weight vector is reused four times, and weight rows by 4
+so every loaded activation vector is reused four times.  Accumulation is float32 in ``VL``-lane
+vector registers, reduced once per output.  (Decode uses the GEMVs of ``gemv.py``.)
 
-Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic or 1):
+Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
 The SwiGLU variant reads W (2I, K) with gate rows then up rows and writes act (n, I).
 """
@@ -24,9 +24,7 @@ def token_dim(n_static: int | None):
     return tirx.Var("n", "int64") if n_static is None else n_static
 
 
-def _tiles(n, N):
-    tm = 1 if n == 1 else 4
-    return tm, pick_tile(N, (4, 2, 1) if tm > 1 else (8, 4, 2, 1))
+TM = 4  # tokens per tile
 
 
 def _reduce_macro(K, wdt, TM, TN):
@@ -53,10 +51,10 @@ def _reduce_macro(K, wdt, TM, TN):
 
 
 @cached
-def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | None = None):
-    """y = x @ W.T (+ bias | + res).  ``n_static=1`` builds the decode GEMV, None the prefill."""
+def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
+    """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n."""
     assert epilogue in EPILOGUES
-    TM, TN = _tiles(n_static, N)
+    TN = pick_tile(N, (4, 2, 1))
     acc_main = _reduce_macro(K, wdt, TM, TN)
     acc_tail = _reduce_macro(K, wdt, 1, TN)
 
@@ -81,7 +79,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | Non
                 acc_tail(x, W, acc, n // TM * TM + mt, co * TN)
                 store(y, acc, n // TM * TM + mt, co * TN, 1, bias, res)
 
-    n = token_dim(n_static)
+    n = token_dim(None)
     if epilogue == "none":
         @T.prim_func(s_tir=True)
         def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_y: T.handle):
@@ -105,17 +103,16 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", n_static: int | Non
             y = T.match_buffer(var_y, (n, N), "float32")
             with T.sblock("root"):
                 body(x, W, y, None, res, n)
-    tag = "gemv" if n_static == 1 else "matmul"
-    return finalize(func, f"{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
+    return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
 @cached
-def linear_swiglu(I: int, K: int, wdt: str, n_static: int | None = None):
+def linear_swiglu(I: int, K: int, wdt: str):
     """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
-    TM, TN = _tiles(n_static, I)
+    TN = pick_tile(I, (4, 2, 1))
     acc_main = _reduce_macro(K, wdt, TM, TN)
     acc_tail = _reduce_macro(K, wdt, 1, TN)
-    n = token_dim(n_static)
+    n = token_dim(None)
 
     @T.macro
     def store(act, g, u, m0, c0, rows):
@@ -139,5 +136,4 @@ def linear_swiglu(I: int, K: int, wdt: str, n_static: int | None = None):
                     acc_tail(x, W, u, n // TM * TM + mt, I + co * TN)
                     store(act, g, u, n // TM * TM + mt, co * TN, 1)
 
-    tag = "gemv" if n_static == 1 else "matmul"
-    return finalize(func, f"{tag}_swiglu_{I}x{K}_{dtype_tag(wdt)}")
+    return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")
