@@ -7,8 +7,9 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   decode:  context_len int64 -- the query (position context_len - 1) sees positions < context_len
   prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
   -> out (n, Hq D) float32
+Work is split by kv head: the ``group`` query heads of one kv head share every K/V row load.
 Scores are computed a block at a time into a block_size scratch, then folded into the running
-max / sum / accumulator, so no scratch grows with the context.
+max / sum / accumulator (exp vectorised over the block), so no scratch grows with the context.
 """
 
 from __future__ import annotations
@@ -18,51 +19,62 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, finalize, pick_tile
+from .common import cached, dtype_tag, finalize, pick_tile, tree_sum_macro
+from .fastmath import fexp
 from .linear import token_dim
 
 
 def _attend_macro(Hq, Hkv, D, bs, cap):
-    group, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+    """Attention of the ``group`` query heads sharing kv head ``kvh``: each K/V row is loaded
+    once for the whole group."""
+    G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
     DV = pick_tile(D, (16, 8, 4, 2, 1))
+    tree_sum = tree_sum_macro(DV)
 
     @T.macro
-    def attend(q, k_pool, v_pool, bt, out, row, h, ctx):
-        s = T.decl_buffer((bs,), "float32", scope="local")
-        acc = T.decl_buffer((D,), "float32", scope="local")
+    def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx):
+        s = T.decl_buffer((G, bs), "float32", scope="local")
+        acc = T.decl_buffer((G, D), "float32", scope="local")
         part = T.decl_buffer((DV,), "float32", scope="local")
-        st = T.decl_buffer((4,), "float32", scope="local")  # running max, sum, block max, rescale
-        kvh = h // group
-        st[0] = T.float32(-3.0e38)
-        st[1] = T.float32(0)
-        for d in T.vectorized(D):
-            acc[d] = T.float32(0)
+        st = T.decl_buffer((G, 4), "float32", scope="local")  # running max, sum, block max, rescale
+        for g in range(G):
+            st[g, 0] = T.float32(-3.0e38)
+            st[g, 1] = T.float32(0)
+            for d in T.vectorized(D):
+                acc[g, d] = T.float32(0)
         for b in range((ctx + bs - 1) // bs):
             pb = T.Cast("int64", bt[0, b])
-            st[2] = T.float32(-3.0e38)
+            for g, t in T.grid(G, bs):
+                s[g, t] = T.float32(-3.0e38)
             for t in range(T.min(bs, ctx - b * bs)):
-                for v in T.vectorized(DV):
-                    part[v] = T.float32(0)
-                for do in range(D // DV):
+                for g in range(G):
                     for v in T.vectorized(DV):
-                        part[v] = part[v] + q[row, h * D + do * DV + v] * T.Cast(
-                            "float32", k_pool[pb, t, kvh, do * DV + v])
-                for v in range(1, DV):
-                    part[0] = part[0] + part[v]
-                s[t] = part[0] * T.float32(scale)
-                st[2] = T.max(st[2], s[t])
-            st[3] = T.exp(st[0] - T.max(st[0], st[2]))
-            st[0] = T.max(st[0], st[2])
-            st[1] = st[1] * st[3]
-            for d in T.vectorized(D):
-                acc[d] = acc[d] * st[3]
-            for t in range(T.min(bs, ctx - b * bs)):
-                s[t] = T.exp(s[t] - st[0])
-                st[1] = st[1] + s[t]
+                        part[v] = T.float32(0)
+                    for do in range(D // DV):
+                        for v in T.vectorized(DV):
+                            part[v] = part[v] + q[row, (kvh * G + g) * D + do * DV + v] * T.Cast(
+                                "float32", k_pool[pb, t, kvh, do * DV + v])
+                    tree_sum(part)
+                    s[g, t] = part[0] * T.float32(scale)
+            for g in range(G):
+                st[g, 2] = s[g, 0]
+                for t in range(1, bs):
+                    st[g, 2] = T.max(st[g, 2], s[g, t])
+                st[g, 3] = fexp(st[g, 0] - T.max(st[g, 0], st[g, 2]))
+                st[g, 0] = T.max(st[g, 0], st[g, 2])
+                st[g, 1] = st[g, 1] * st[g, 3]
                 for d in T.vectorized(D):
-                    acc[d] = acc[d] + s[t] * T.Cast("float32", v_pool[pb, t, kvh, d])
-        for d in T.vectorized(D):
-            out[row, h * D + d] = acc[d] / st[1]
+                    acc[g, d] = acc[g, d] * st[g, 3]
+                for t in T.vectorized(bs):
+                    s[g, t] = fexp(s[g, t] - st[g, 0])
+            for t in range(T.min(bs, ctx - b * bs)):
+                for g in range(G):
+                    st[g, 1] = st[g, 1] + s[g, t]
+                    for d in T.vectorized(D):
+                        acc[g, d] = acc[g, d] + s[g, t] * T.Cast("float32", v_pool[pb, t, kvh, d])
+        for g in range(G):
+            for d in T.vectorized(D):
+                out[row, (kvh * G + g) * D + d] = acc[g, d] / st[g, 1]
 
     return attend
 
@@ -83,8 +95,8 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             for b in range((context_len + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            for h in T.parallel(Hq):
-                attend(q, k_pool, v_pool, bt, out, 0, h, context_len)
+            for kvh in T.parallel(Hkv):
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
@@ -107,7 +119,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
             for b in range((start_pos + n + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            for ih in T.parallel(n * Hq):
-                attend(q, k_pool, v_pool, bt, out, ih // Hq, ih % Hq, start_pos + ih // Hq + 1)
+            for ik in T.parallel(n * Hkv):
+                attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1)
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

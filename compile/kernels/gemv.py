@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .fastmath import fexp
 from .common import VL, cached, dtype_tag, finalize, pick_tile
 
 MAX_CHUNKS = 64
@@ -147,6 +148,6 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
                         for r in range(TN):
                             gate[r, 0] = gate[r, 0] * st[0]
                             act[0, (c * per + t) * TN + r] = (
-                                gate[r, 0] / (T.float32(1) + T.exp(-gate[r, 0])) * up[r, 0] * st[0])
+                                gate[r, 0] / (T.float32(1) + fexp(-gate[r, 0])) * up[r, 0] * st[0])
 
     return finalize(func, f"gemv_swiglu_{I}x{K}_{dtype_tag(wdt)}")

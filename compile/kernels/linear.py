@@ -14,6 +14,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .fastmath import fexp
 from .common import cached, VL, dtype_tag, finalize, pick_tile
 
 EPILOGUES = ("none", "bias", "residual")
@@ -117,7 +118,7 @@ def linear_swiglu(I: int, K: int, wdt: str):
     @T.macro
     def store(act, g, u, m0, c0, rows):
         for r, c in T.grid(rows, TN):
-            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + T.exp(-g[r, c, 0])) * u[r, c, 0]
+            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, W: T.Buffer((2 * I, K), wdt), var_act: T.handle):
