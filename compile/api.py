@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+from paged_decode.runtime.artifact import sha256_file
 from paged_decode.runtime.errors import WeightsError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
@@ -41,7 +42,20 @@ def shape_key(source: ModelSource, weight_dtype: str) -> str:
 
 
 def _manifest_complete(path: Path) -> bool:
-    return (path / "manifest.json").is_file()
+    """A readable manifest whose library is present with the recorded sha256.
+
+    A damaged entry counts as absent: policy ``on`` rebuilds it, ``readonly`` refuses it.
+    """
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        lib = path / str(manifest["library"])
+        if lib.is_file() and sha256_file(lib) == manifest["library_sha256"]:
+            return True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if path.exists():
+        log.warning("%s is incomplete or damaged: treated as not built", path)
+    return False
 
 
 def _weights_complete(path: Path) -> bool:
@@ -56,11 +70,17 @@ def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
 def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
                     ) -> tuple[Path, bool]:
     name = artifact_name(spec, target)
-    hint = (f"paged-compile --model {spec.config.name} --target {target.kind} "
-            f"--block-size {spec.block_size} --max-blocks-cap {spec.max_blocks_cap} "
-            f"--cache-dtype {spec.cache_dtype} --weight-dtype {spec.weight_dtype}")
+    hint = _compile_command(spec.config.name, root, spec.block_size, spec.max_blocks_cap,
+                            spec.cache_dtype, spec.weight_dtype)
     return cache.locked_build(root, name, lambda d: build_into(spec, target, d),
                               _manifest_complete, policy, hint)
+
+
+def _compile_command(model: str, root: Path, block_size: int, max_blocks_cap: int,
+                     cache_dtype: str, weight_dtype: str) -> str:
+    return (f"paged-compile --model {model} --block-size {block_size} --max-blocks-cap "
+            f"{max_blocks_cap} --cache-dtype {cache_dtype} --weight-dtype {weight_dtype} "
+            f"--artifacts {root}")
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:
@@ -89,11 +109,14 @@ def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> 
 def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: str,
                    ) -> tuple[Path, bool]:
     wroot = root / "weights"
-    wroot.mkdir(exist_ok=True)
+    if policy in ("on", "redo"):
+        wroot.mkdir(exist_ok=True)
     name = f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
     policy = "on" if policy == "redo" else policy  # weights are a pure conversion
+    hint = (f"paged-compile --model {source.config.name} --weight-dtype {weight_dtype} "
+            f"--artifacts {root}")
     return cache.locked_build(wroot, name, lambda d: write_weight_pack(source, weight_dtype, d),
-                              _weights_complete, policy, "paged-compile --model ...")
+                              _weights_complete, policy, hint)
 
 
 def key_of(model: str | None = None, *, target: str | None = None, block_size: int = 16,
@@ -121,6 +144,8 @@ def prepare(model: str | None = None, *, target: str | None = None, block_size: 
     """Resolve the model, then build (or reuse) its artifact and weight pack.
 
     ``progress`` receives a line before each long step (compile, weight conversion).
+    Safe to call from several threads or processes at once on one artifact root: one of them
+    builds each entry, the others wait for its lock and reuse it (see :mod:`.cache`).
     """
     say = progress or (lambda _msg: None)
     source = resolve_model(model)

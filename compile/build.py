@@ -7,6 +7,7 @@ are not in it.  See :mod:`paged_decode.compile.cache` for where artifacts live.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE
                                            key_digest)
 
 from .config import DTYPES, ModelConfig
+from .kernels.registry import kernels_for
 from .model import BuildSpec, build_module
 from .params import param_specs
 from .targets import TargetSpec
@@ -50,6 +52,17 @@ def make_spec(cfg: ModelConfig, *, block_size: int = 16, max_blocks_cap: int | N
     return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype)
 
 
+@functools.lru_cache(maxsize=1)
+def compiler_fingerprint() -> str:
+    """sha256 of the build side's own source (kernels, graph, build): an edited kernel is a new
+    key even before the package version changes."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
     """Every input that changes the compiled library."""
     return {
@@ -63,6 +76,7 @@ def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "tvm_version": tvm.__version__,
         "package_version": PACKAGE_VERSION,
         "abi_version": ABI_VERSION,
+        "compiler": compiler_fingerprint(),
     }
 
 
@@ -90,12 +104,15 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
 def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir: Path) -> Path:
     """Build and export the library into ``out_dir``; returns its path."""
     try:
-        mod = build_module(spec, manifest)
+        mod = build_module(spec, manifest, kernels_for(target.kind))
         ex = relax.build(mod, target.target, exec_mode=EXEC_MODE)
         lib_path = out_dir / target.library_name
         ex.export_library(str(lib_path))
     except (tvm.error.InternalError, RuntimeError, ValueError) as e:
         raise CompileError(f"TVM failed to build {spec.config.name} for {target.kind}: {e}") from e
+    except OSError as e:  # export_library writes the .so (disk full, read-only root)
+        raise CompileError(f"could not write the library into {out_dir} ({e}); free disk space "
+                           "or choose another --artifacts root") from e
     return lib_path
 
 
@@ -114,7 +131,11 @@ def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path) -> dict:
     log.info("compiling %s for %s (key %s)", spec.config.name, target.kind, manifest["digest"])
     lib_path = compile_library(spec, target, manifest, out_dir)
     manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
-    manifest["library_sha256"] = sha256_file(lib_path)
-    manifest["library_bytes"] = lib_path.stat().st_size
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    try:
+        manifest["library_sha256"] = sha256_file(lib_path)
+        manifest["library_bytes"] = lib_path.stat().st_size
+        (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    except OSError as e:
+        raise CompileError(f"could not write the manifest into {out_dir} ({e}); free disk space "
+                           "or choose another --artifacts root") from e
     return manifest

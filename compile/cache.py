@@ -6,17 +6,23 @@ Layout under the artifact root::
   weights/<model>-<weights_key>-<dtype>/   params.safetensors, weights.json, tokenizer files
   .locks/<name>.lock              one file lock per entry
   .tmp/<name>-<pid>-<rand>/       builds in progress (renamed into place when complete)
+  .tmp/<name>.old-<pid>-<rand>/   a replaced entry, deleted right after the rename
 
-A build runs in a temp dir under the entry's file lock, writes its manifest last, and is renamed
-into place atomically, so concurrent builders of one key leave one entry and a killed build leaves
-nothing a loader would accept.  Cache policy (as mlc-llm's): ``on`` reuse or build, ``off`` build
-into a fresh temp dir and keep nothing, ``redo`` rebuild and replace, ``readonly`` never build.
+A build runs in a temp dir under the entry's file lock (``flock``: released by the kernel when the
+holder dies), writes its manifest last, and is renamed into place atomically, so concurrent
+builders of one key (threads or processes) leave one entry and a killed build leaves nothing a
+loader would accept.  ``.tmp/`` entries whose pid is no longer alive are swept before each build
+(pids are host-local: share a root between hosts only read-only).  Cache policy (as mlc-llm's):
+``on`` reuse or build, ``off`` build into a fresh system temp dir that is deleted when the process
+exits and keep nothing in the root, ``redo`` rebuild and replace, ``readonly`` never build.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import secrets
@@ -26,6 +32,8 @@ from pathlib import Path
 from typing import Callable
 
 from paged_decode.runtime.errors import ArtifactError, ConfigError
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("on", "off", "redo", "readonly")
 ROOT_ENV = "PAGED_DECODE_ARTIFACTS"
@@ -70,25 +78,67 @@ def file_lock(root: Path, name: str):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is moved aside first and then deleted."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
+
+
+def sweep_stale(tmp_root: Path) -> list[Path]:
+    """Delete ``.tmp/`` entries left by builders that died (their pid is gone); returns them."""
+    swept = []
+    for entry in tmp_root.iterdir() if tmp_root.is_dir() else ():
+        parts = entry.name.rsplit("-", 2)
+        if len(parts) == 3 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            swept.append(entry)
+    if swept:
+        log.info("removed %d stale build dir(s) under %s", len(swept), tmp_root)
+    return swept
+
+
+def _tmp_name(name: str) -> str:
+    return f"{name}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _replace_dir(src: Path, dst: Path, tmp_root: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is moved into ``tmp_root`` first and then
+    deleted (a crash in between leaves it there for :func:`sweep_stale`)."""
     old = None
     if dst.exists():
-        old = dst.with_name(f".old-{dst.name}-{secrets.token_hex(4)}")
+        old = tmp_root / _tmp_name(f"{dst.name}.old")
         os.rename(dst, old)
     os.rename(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _build_off(name: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
+    """Policy ``off``: a system temp dir, deleted at exit (or at once if the build fails)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"paged-decode-{name}-"))
+    try:
+        build(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return tmp, False
+
+
 def locked_build(root: Path, name: str, build: Callable[[Path], None], is_complete:
                  Callable[[Path], bool], policy: str, rebuild_hint: str) -> tuple[Path, bool]:
-    """Return (entry dir, cache_hit).  ``build(tmp_dir)`` fills a fresh directory."""
+    """Return (entry dir, cache_hit).  ``build(tmp_dir)`` fills a fresh directory.
+
+    Safe to call from several threads and processes at once for one ``root`` and ``name``:
+    exactly one builds, the others wait for its lock and reuse the result.
+    """
     final = root / name
     if policy == "off":
-        tmp = Path(tempfile.mkdtemp(prefix=f"{name}-"))
-        build(tmp)
-        return tmp, False
+        return _build_off(name, build)
     if policy == "readonly":
         if not is_complete(final):
             raise ArtifactError(f"{final} is missing or incomplete and the cache policy is "
@@ -99,11 +149,12 @@ def locked_build(root: Path, name: str, build: Callable[[Path], None], is_comple
             return final, True
         tmp_root = root / ".tmp"
         tmp_root.mkdir(exist_ok=True)
-        tmp = tmp_root / f"{name}-{os.getpid()}-{secrets.token_hex(4)}"
+        sweep_stale(tmp_root)
+        tmp = tmp_root / _tmp_name(name)
         tmp.mkdir()
         try:
             build(tmp)
-            _replace_dir(tmp, final)
+            _replace_dir(tmp, final, tmp_root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final, False

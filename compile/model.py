@@ -20,11 +20,7 @@ import tvm
 from tvm import relax, tirx
 
 from .config import ModelConfig
-from .kernels.attention import paged_attention_decode, paged_attention_prefill
-from .kernels.gemv import gemv, gemv_swiglu
-from .kernels.linear import linear, linear_swiglu
-from .kernels.norm import embedding, rmsnorm
-from .kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
+from .kernels.registry import KernelSet, cpu_kernels
 from .params import param_specs
 from .rope import rope_inv_freq
 
@@ -47,8 +43,9 @@ def _f32(*shape):
 class _Builder:
     """Emits one function body; ``n_static`` is 1 for decode and None for prefill."""
 
-    def __init__(self, bb: relax.BlockBuilder, spec: BuildSpec, n_static, funcs: dict):
-        self.bb, self.spec, self.cfg, self.n_static = bb, spec, spec.config, n_static
+    def __init__(self, bb: relax.BlockBuilder, spec: BuildSpec, n_static, funcs: dict,
+                 k: KernelSet):
+        self.bb, self.spec, self.cfg, self.n_static, self.k = bb, spec, spec.config, n_static, k
         self._funcs = funcs  # kernel name -> GlobalVar, shared by the functions of one module
 
     def kernel(self, prim_func) -> relax.GlobalVar:
@@ -70,25 +67,26 @@ class _Builder:
         epilogue, extra = ("bias", [bias]) if bias is not None else (
             ("residual", [res]) if res is not None else ("none", []))
         if self.decode:
-            return self.call(gemv(N, K, wdt, epilogue), [x, w] + extra, (1, N))
-        return self.call(linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
+            return self.call(self.k.gemv(N, K, wdt, epilogue), [x, w] + extra, (1, N))
+        return self.call(self.k.linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
         eps, wdt = self.cfg.rms_norm_eps, self.spec.weight_dtype
         if self.decode:
             epilogue, extra = ("bias", [bias]) if bias is not None else ("none", [])
-            return self.call(gemv(N, K, wdt, epilogue, eps), [x, g, w] + extra, (1, N))
-        xn = self.call(rmsnorm(K, eps, None), [x, g], (n, K))
+            return self.call(self.k.gemv(N, K, wdt, epilogue, eps), [x, g, w] + extra, (1, N))
+        xn = self.call(self.k.rmsnorm(K, eps, None), [x, g], (n, K))
         return self.linear(xn, w, n, N, K, bias=bias)
 
     def norm_swiglu(self, x, g, w, n):
         cfg, wdt = self.cfg, self.spec.weight_dtype
         h, inter = cfg.hidden_size, cfg.intermediate_size
         if self.decode:
-            return self.call(gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w], (1, inter))
-        xn = self.call(rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
-        return self.call(linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
+            return self.call(self.k.gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w],
+                             (1, inter))
+        xn = self.call(self.k.rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
+        return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
     def layer(self, x, n, p, kv, attn_args):
         """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
@@ -115,8 +113,8 @@ class _Builder:
         p = {s.name: self.bb.emit(relax.TupleGetItem(params, i))
              for i, s in enumerate(param_specs(cfg, spec.weight_dtype))}
         self.inv_freq = relax.const(rope_inv_freq(cfg), "float32")
-        x = self.call(embedding(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, self.n_static),
-                      [token_ids, p["embed"]], (n, cfg.hidden_size))
+        embed = self.k.embedding(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, self.n_static)
+        x = self.call(embed, [token_ids, p["embed"]], (n, cfg.hidden_size))
         for layer in range(cfg.n_layers):
             lp = {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"layers.{layer}.")}
             kv = [self.bb.emit(relax.TupleGetItem(pools, 2 * layer + j)) for j in (0, 1)]
@@ -124,10 +122,11 @@ class _Builder:
         head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
         v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
         if not self.decode:  # only the last position's logits
-            x = self.call(rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]], (1, h))
-            return self.call(gemv(v, h, spec.weight_dtype), [x, head], (1, v))
-        return self.call(gemv(v, h, spec.weight_dtype, "none", eps), [x, p["final_norm"], head],
-                         (1, v))
+            x = self.call(self.k.rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]],
+                          (1, h))
+            return self.call(self.k.gemv(v, h, spec.weight_dtype), [x, head], (1, v))
+        return self.call(self.k.gemv(v, h, spec.weight_dtype, "none", eps),
+                         [x, p["final_norm"], head], (1, v))
 
 
 def _pool_and_param_vars(spec: BuildSpec):
@@ -140,17 +139,17 @@ def _pool_and_param_vars(spec: BuildSpec):
     return pool_ty, pools, params
 
 
-def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
+def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: KernelSet):
     cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
     pool_ty, pools, params = _pool_and_param_vars(spec)
     token_ids = relax.Var("token_ids", relax.TensorType([1], "int32"))
     table = relax.Var("block_table", relax.TensorType([1, cap], "int32"))
     ctx = relax.Var("context_len", tvm.ir.PrimType("int64"))
     off = relax.Var("write_off", tvm.ir.PrimType("int64"))
-    b = _Builder(bb, spec, 1, funcs)
+    b = _Builder(bb, spec, 1, funcs, k)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
-    attn_args = (rope_kv_write_decode(*geo), paged_attention_decode(*geo),
+    attn_args = (k.rope_kv_write_decode(*geo), k.paged_attention_decode(*geo),
                  [table, off, ctx], [table, ctx])
     with bb.function("decode", [token_ids, table, ctx, off, pools, params]):
         with bb.dataflow():
@@ -159,17 +158,17 @@ def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
         bb.emit_func_output(out)
 
 
-def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
+def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: KernelSet):
     cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
     pool_ty, pools, params = _pool_and_param_vars(spec)
     n = tirx.Var("n", "int64")
     token_ids = relax.Var("token_ids", relax.TensorType([n], "int32"))
     table = relax.Var("block_table", relax.TensorType([1, cap], "int32"))
     start = relax.Var("start_pos", tvm.ir.PrimType("int64"))
-    b = _Builder(bb, spec, None, funcs)
+    b = _Builder(bb, spec, None, funcs, k)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
-    attn_args = (rope_kv_write_prefill(*geo), paged_attention_prefill(*geo),
+    attn_args = (k.rope_kv_write_prefill(*geo), k.paged_attention_prefill(*geo),
                  [table, start], [table, start])
     with bb.function("prefill", [token_ids, table, start, pools, params]):
         with bb.dataflow():
@@ -178,12 +177,14 @@ def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict):
         bb.emit_func_output(out)
 
 
-def build_module(spec: BuildSpec, manifest: dict) -> tvm.IRModule:
-    """The IRModule with ``decode``, ``prefill`` and ``_metadata``."""
+def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = None
+                 ) -> tvm.IRModule:
+    """The IRModule with ``decode``, ``prefill`` and ``_metadata`` (CPU kernels by default)."""
     bb = relax.BlockBuilder()
     funcs: dict[str, relax.GlobalVar] = {}
-    _emit_decode(bb, spec, funcs)
-    _emit_prefill(bb, spec, funcs)
+    kernels = kernels or cpu_kernels()
+    _emit_decode(bb, spec, funcs, kernels)
+    _emit_prefill(bb, spec, funcs, kernels)
     with bb.function("_metadata", []):
         bb.emit_func_output(tvm.ir.StringImm(json.dumps(manifest, sort_keys=True)))
     return bb.get()

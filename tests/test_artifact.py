@@ -39,9 +39,10 @@ def test_every_key_field_changes_the_digest(monkeypatch):
     }
     assert base not in variants.values()
     assert len(set(variants.values())) == len(variants)
-    for module, name in ((build, "EXEC_MODE"), (build, "PACKAGE_VERSION"), (build, "ABI_VERSION")):
+    for name, value in (("EXEC_MODE", "changed"), ("PACKAGE_VERSION", "changed"),
+                        ("ABI_VERSION", "changed"), ("compiler_fingerprint", lambda: "changed")):
         with monkeypatch.context() as m:
-            m.setattr(module, name, "changed")
+            m.setattr(build, name, value)
             assert _digest() != base, name
     with monkeypatch.context() as m:
         m.setattr(build.tvm, "__version__", "0.0.0")
@@ -53,7 +54,7 @@ def test_fields_cover_the_documented_key():
                         resolve_target(None))
     assert set(fields) == {"model", "max_blocks_cap", "block_size", "cache_dtype",
                            "weight_dtype", "target", "exec_mode", "tvm_version",
-                           "package_version", "abi_version"}
+                           "package_version", "abi_version", "compiler"}
     assert "mcpu" in fields["target"]
 
 

@@ -61,7 +61,7 @@ def _macros(K: int, TN: int, norm: bool, eps: float):
         for ko in range(KO):
             for v in T.vectorized(VL):
                 xv[v] = x[0, ko * VL + v] * g[ko * VL + v] if norm else x[0, ko * VL + v]
-            for r in range(TN):
+            for r in T.unroll(TN):  # unrolled: acc stays in registers
                 for v in T.vectorized(VL):
                     acc[r, v] = acc[r, v] + xv[v] * T.Cast("float32", W[c0 + r, ko * VL + v])
         for v in range(KT):

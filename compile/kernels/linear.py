@@ -37,10 +37,11 @@ def _reduce_macro(K, wdt, TM, TN):
         for r, c, v in T.grid(TM, TN, VL):
             acc[r, c, v] = T.float32(0)
         for ko in range(KO):
-            for r, c in T.grid(TM, TN):
-                for v in T.vectorized(VL):
-                    acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * T.Cast(
-                        "float32", W[c0 + c, ko * VL + v])
+            for r in T.unroll(TM):  # unrolled: acc stays in registers
+                for c in T.unroll(TN):
+                    for v in T.vectorized(VL):
+                        acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * T.Cast(
+                            "float32", W[c0 + c, ko * VL + v])
         for r, c, v in T.grid(TM, TN, KT):
             acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * T.Cast(
                 "float32", W[c0 + c, KO * VL + v])

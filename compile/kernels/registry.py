@@ -1,0 +1,42 @@
+"""The kernel set a target compiles with: CPU (llvm) or GPU (thread-bound) factories.
+
+Every set offers the same factories with the same signatures and buffer layouts, so the Relax
+graph in ``model.py`` is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    embedding: Callable
+    rmsnorm: Callable
+    gemv: Callable
+    gemv_swiglu: Callable
+    linear: Callable
+    linear_swiglu: Callable
+    rope_kv_write_decode: Callable
+    rope_kv_write_prefill: Callable
+    paged_attention_decode: Callable
+    paged_attention_prefill: Callable
+
+
+def cpu_kernels() -> KernelSet:
+    from . import attention, gemv, linear, norm, rope_kv
+
+    return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu, linear.linear,
+                     linear.linear_swiglu, rope_kv.rope_kv_write_decode,
+                     rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
+                     attention.paged_attention_prefill)
+
+
+def kernels_for(target_kind: str) -> KernelSet:
+    """CPU kernels for llvm, thread-bound GPU kernels for every GPU target."""
+    if target_kind == "llvm":
+        return cpu_kernels()
+    from .gpu import gpu_kernels
+
+    return gpu_kernels()
