@@ -24,6 +24,9 @@ from .fastmath import fexp
 from .linear import token_dim
 
 
+PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially
+
+
 def _attend_macro(Hq, Hkv, D, bs, cap):
     """Attention of the ``group`` query heads sharing kv head ``kvh``: each K/V row is loaded
     once for the whole group."""
@@ -95,8 +98,12 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             for b in range((context_len + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            for kvh in T.parallel(Hkv):
-                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+            if context_len * Hq * D >= PARALLEL_MIN_WORK:
+                for kvh in T.parallel(Hkv):
+                    attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+            else:  # a short context costs less than waking the thread pool
+                for kvh in T.serial(Hkv):
+                    attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 

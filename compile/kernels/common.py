@@ -34,26 +34,32 @@ def cached(factory):
     return functools.lru_cache(maxsize=None)(factory)
 
 
-def tree_sum_macro(width: int):
-    """buf[0] = sum(buf[:width]) by halving (log2 steps of vector adds, not width-1 scalar adds);
-    ``width`` must be a power of two.  Clobbers buf."""
+def tree_sum_macro(width: int, row0: bool = False):
+    """buf[0] (or buf[0, 0] with ``row0``) = sum of the first ``width`` lanes, by halving
+    (log2 steps of vector adds, not width-1 scalar adds); ``width`` a power of two <= 32.
+    Clobbers those lanes."""
     assert width & (width - 1) == 0 and width <= 32, width
+
+    @T.macro
+    def step(buf, h):
+        if row0:
+            for v in T.vectorized(h):
+                buf[0, v] = buf[0, v] + buf[0, v + h]
+        else:
+            for v in T.vectorized(h):
+                buf[v] = buf[v] + buf[v + h]
 
     @T.macro
     def tree_sum(buf):
         if width >= 32:
-            for v in T.vectorized(16):
-                buf[v] = buf[v] + buf[v + 16]
+            step(buf, 16)
         if width >= 16:
-            for v in T.vectorized(8):
-                buf[v] = buf[v] + buf[v + 8]
+            step(buf, 8)
         if width >= 8:
-            for v in T.vectorized(4):
-                buf[v] = buf[v] + buf[v + 4]
+            step(buf, 4)
         if width >= 4:
-            for v in T.vectorized(2):
-                buf[v] = buf[v] + buf[v + 2]
+            step(buf, 2)
         if width >= 2:
-            buf[0] = buf[0] + buf[1]
+            step(buf, 1)
 
     return tree_sum
