@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from paged_decode.runtime.artifact import sha256_file
+from paged_decode.runtime.artifact import cli_target, sha256_file
 from paged_decode.runtime.errors import WeightsError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
@@ -70,17 +70,18 @@ def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
 def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
                     ) -> tuple[Path, bool]:
     name = artifact_name(spec, target)
-    hint = _compile_command(spec.config.name, root, spec.block_size, spec.max_blocks_cap,
-                            spec.cache_dtype, spec.weight_dtype)
+    hint = _compile_command(spec.config.name, cli_target(target.key_string), root,
+                            spec.block_size, spec.max_blocks_cap, spec.cache_dtype,
+                            spec.weight_dtype)
     return cache.locked_build(root, name, lambda d: build_into(spec, target, d),
                               _manifest_complete, policy, hint)
 
 
-def _compile_command(model: str, root: Path, block_size: int, max_blocks_cap: int,
+def _compile_command(model: str, target: str, root: Path, block_size: int, max_blocks_cap: int,
                      cache_dtype: str, weight_dtype: str) -> str:
-    return (f"paged-compile --model {model} --block-size {block_size} --max-blocks-cap "
-            f"{max_blocks_cap} --cache-dtype {cache_dtype} --weight-dtype {weight_dtype} "
-            f"--artifacts {root}")
+    return (f"paged-compile --model {model} --target {target} --block-size {block_size} "
+            f"--max-blocks-cap {max_blocks_cap} --cache-dtype {cache_dtype} --weight-dtype "
+            f"{weight_dtype} --artifacts {root}")
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:

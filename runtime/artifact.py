@@ -1,8 +1,10 @@
 """Find, verify and load an artifact and its weight pack (TVM runtime only).
 
-Loading checks the manifest's format, ABI, package and TVM versions, the library's sha256 and
-the digest the library reports through ``_metadata()``; any mismatch is an ``ArtifactError``
-that says how to rebuild.  The VM is created once per artifact.
+Loading checks the manifest's format, ABI, package and TVM versions, its key against its digest,
+the library's sha256, and every manifest field against the manifest the library reports through
+``_metadata()``; any mismatch is an ``ArtifactError`` whose message holds the ``paged-compile
+... --force`` command that rebuilds it.  The library is loaded once per artifact; each session
+takes its own VirtualMachine over it (:meth:`Artifact.new_vm`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +29,43 @@ def set_threads(n: int | None = None) -> None:
     os.environ.setdefault("TVM_NUM_THREADS", str(n or os.cpu_count() or 1))
 
 
+def cli_target(target: str) -> str:
+    """The ``--target`` option for a key's target string: ``llvm:<mcpu>`` (or the bare kind)."""
+    kind = re.search(r'"kind":\s*"(\w+)"', target) or re.match(r"(\w+)", target)
+    mcpu = re.search(r'"mcpu":\s*"([^"]+)"|-mcpu=([^\s|]+)', target)
+    kind_name = kind.group(1) if kind else "llvm"
+    return f"{kind_name}:{mcpu.group(1) or mcpu.group(2)}" if mcpu else kind_name
+
+
 def _rebuild_hint(manifest: dict | None, path: Path) -> str:
-    name = (manifest or {}).get("name", "<model>")
-    return (f"rebuild it with `paged-compile --model {name} --force` "
-            f"(or delete {path} and compile again)")
+    """The paged-compile command that rebuilds ``path``.
+
+    Options come from the manifest's key when it matches its digest, else from the manifest's
+    top-level copies (one of the two was edited), else only the model name of the folder.
+    """
+    m = manifest if isinstance(manifest, dict) else {}
+    key = m.get("key") if isinstance(m.get("key"), dict) else {}
+    source = key if key and key_digest(key) == m.get("digest") else m
+    name = m.get("name") or path.name.rsplit("-", 2)[0] or "<model>"
+    opts = "".join(f" --{field.replace('_', '-')} {source[field]}" for field in (
+        "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
+    target = source.get("target") or key.get("target") or m.get("target_kind")
+    if isinstance(target, str):
+        opts = f" --target {cli_target(target)}" + opts
+    return (f"rebuild it with `paged-compile --model {name}{opts} --artifacts {path.parent} "
+            f"--force` (or delete {path} and compile again)")
 
 
-def _read_json(path: Path, what: str, hint: str) -> dict:
+def _read_json(path: Path, what: str, hint: str, error: type = ArtifactError) -> dict:
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"{path}: {what} is missing; {hint}") from None
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        raise error(f"{path}: {what} is missing; {hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path}: {what} is not valid JSON ({e}); {hint}") from e
+        raise error(f"{path}: {what} is not valid JSON ({e}); {hint}") from e
+    if not isinstance(data, dict):
+        raise error(f"{path}: {what} holds a {type(data).__name__}, not an object; {hint}")
+    return data
 
 
 def sha256_file(path: Path) -> str:
@@ -49,10 +76,16 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+# Written into manifest.json after the build; the library's _metadata() cannot know them.
+_DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes")
+
+
 def verify_manifest(manifest: dict, path: Path) -> None:
     """Versions and key digest of a manifest against this runtime."""
     hint = _rebuild_hint(manifest, path)
-    key = manifest.get("key") or {}
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("key"), dict):
+        raise ArtifactError(f"{path}: manifest.json is not an artifact manifest (no key); {hint}")
+    key = manifest["key"]
     expected = {"manifest_format": (manifest.get("manifest_format"), MANIFEST_FORMAT),
                 "abi_version": (key.get("abi_version"), ABI_VERSION),
                 "package_version": (key.get("package_version"), PACKAGE_VERSION),
@@ -66,14 +99,34 @@ def verify_manifest(manifest: dict, path: Path) -> None:
                             f"{manifest.get('digest')!r} (edited or damaged); {hint}")
 
 
+def verify_embedded(manifest: dict, embedded: dict, lib_path: Path) -> None:
+    """Every field the library reports through ``_metadata()`` must equal the manifest's."""
+    hint = _rebuild_hint(embedded, lib_path.parent)
+    for field in sorted((set(manifest) | set(embedded)) - set(_DISK_ONLY)):
+        if manifest.get(field) != embedded.get(field):
+            raise ArtifactError(
+                f"{lib_path.parent}: manifest field {field}={manifest.get(field)!r} differs from "
+                f"the library's {embedded.get(field)!r} (manifest edited or mixed up); {hint}")
+
+
 @dataclasses.dataclass
 class Artifact:
-    """A loaded artifact: its manifest and one VirtualMachine."""
+    """A loaded artifact: its manifest, the loaded library and one VirtualMachine.
+
+    Thread safety: the manifest and library are read-only.  ``vm`` is for one-off calls
+    (``_metadata``); each :class:`~paged_decode.runtime.session.PagedDecodeSession` takes its own
+    VM from :meth:`new_vm`, so sessions in different threads never share VM state.
+    """
 
     path: Path
     manifest: dict
     vm: relax.VirtualMachine
     device: tvm.runtime.Device
+    lib: tvm.runtime.Module | None = None
+
+    def new_vm(self) -> relax.VirtualMachine:
+        """A fresh VirtualMachine over the loaded library (cheap: no reload, no compile)."""
+        return self.vm if self.lib is None else relax.VirtualMachine(self.lib, self.device)
 
     @property
     def max_blocks_cap(self) -> int:
@@ -90,7 +143,7 @@ def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) ->
     manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
     verify_manifest(manifest, path)
     hint = _rebuild_hint(manifest, path)
-    lib_path = path / manifest.get("library", "model.so")
+    lib_path = path / str(manifest.get("library", "model.so"))
     if not lib_path.is_file():
         raise ArtifactError(f"{lib_path}: library is missing; {hint}")
     if sha256_file(lib_path) != manifest.get("library_sha256"):
@@ -103,10 +156,12 @@ def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) ->
         embedded = json.loads(vm["_metadata"]())
     except Exception as e:  # TVM raises plain RuntimeErrors for unloadable libraries
         raise ArtifactError(f"{lib_path}: TVM could not load it ({e}); {hint}") from e
-    if embedded.get("digest") != manifest["digest"]:
-        raise ArtifactError(f"{lib_path}: library reports key {embedded.get('digest')!r}, "
+    if not isinstance(embedded, dict) or embedded.get("digest") != manifest["digest"]:
+        got = embedded.get("digest") if isinstance(embedded, dict) else embedded
+        raise ArtifactError(f"{lib_path}: library reports key {got!r}, "
                             f"manifest says {manifest['digest']!r}; {hint}")
-    return Artifact(path, manifest, vm, device or tvm.cpu())
+    verify_embedded(manifest, embedded, lib_path)
+    return Artifact(path, manifest, vm, device or tvm.cpu(), lib)
 
 
 @dataclasses.dataclass
@@ -122,20 +177,44 @@ class WeightPack:
         return self.meta["shape_key"]
 
 
+def _layout_difference(got: list, want: list) -> str:
+    """The first ``[name, shape, dtype]`` entry where two parameter layouts differ."""
+    for g, w in zip(got, want):
+        if g != w:
+            return f"pack has {g}, artifact expects {w}"
+    return f"pack has {len(got)} parameters, artifact expects {len(want)}"
+
+
 def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     """Load params.safetensors into device tensors in the order the artifact expects."""
     from safetensors.numpy import load_file
 
     path = Path(path)
-    meta = _read_json(path / "weights.json", "weights.json",
-                      "convert the weights again with paged-compile")
+    hint = f"convert the weights again with `paged-compile --model {artifact.manifest['name']}`"
+    meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if meta.get("weights_format") != WEIGHTS_FORMAT:
         raise WeightsError(f"{path}: weights_format {meta.get('weights_format')!r}, expected "
-                           f"{WEIGHTS_FORMAT}; convert them again with paged-compile")
-    if meta["params"] != artifact.manifest["params"]:
-        raise WeightsError(f"{path}: parameter layout differs from artifact {artifact.path} "
-                           "(another model or weight dtype); use the weight pack built with it")
-    arrays = load_file(str(path / "params.safetensors"))
-    params = tuple(tvm.runtime.tensor(np.ascontiguousarray(arrays[name]), artifact.device)
-                   for name, _, _ in meta["params"])
-    return WeightPack(path, meta, params)
+                           f"{WEIGHTS_FORMAT}; {hint}")
+    want = artifact.manifest["params"]
+    if meta.get("params") != want:
+        raise WeightsError(
+            f"{path}: weights of model {meta.get('name')!r} have another parameter layout than "
+            f"artifact {artifact.path.name} of {artifact.manifest['name']!r} "
+            f"({_layout_difference(meta.get('params') or [], want)}); use the weight pack "
+            "prepare() returned with this artifact")
+    try:
+        arrays = load_file(str(path / "params.safetensors"))
+    except Exception as e:  # safetensors raises its own error type for damaged files
+        raise WeightsError(f"{path}/params.safetensors is missing or damaged ({e}); {hint}") from e
+    return WeightPack(path, meta, tuple(_to_device(arrays, p, path, hint, artifact.device)
+                                        for p in want))
+
+
+def _to_device(arrays: dict, param: list, path: Path, hint: str, device):
+    name, shape, dtype = param
+    arr = arrays.get(name)
+    if arr is None or list(arr.shape) != list(shape) or str(arr.dtype) != dtype:
+        got = None if arr is None else f"{list(arr.shape)} {arr.dtype}"
+        raise WeightsError(f"{path}/params.safetensors: tensor {name} is {got}, weights.json "
+                           f"says {list(shape)} {dtype}; {hint}")
+    return tvm.runtime.tensor(np.ascontiguousarray(arr), device)

@@ -43,6 +43,24 @@ class OutOfBlocksError(PagedDecodeError):
         )
 
 
+class TokenIdError(InputError):
+    """A token id or prompt is not an integer id inside the vocabulary, or has the wrong shape."""
+
+
+class BlockTableError(InputError):
+    """A caller-managed block table has the wrong dtype or shape, points outside the pool, or does
+    not cover ``context_len``."""
+
+
+class WriteOffsetError(InputError):
+    """A flattened write offset is not ``block_table[0, (context_len - 1) // block_size] *
+    block_size + (context_len - 1) % block_size``."""
+
+
+class SamplingError(InputError):
+    """A sampling parameter or the logits handed to the sampler are unusable."""
+
+
 class CapacityError(InputError):
     """A sequence would grow past ``max_blocks_cap * block_size`` tokens of the artifact."""
 
@@ -61,3 +79,12 @@ class TopologyChanged(ValidityError):
 
 class OffsetRebindError(PagedDecodeError):
     """The per-token write offset was bound twice in one step with different values."""
+
+
+class ExecutionError(PagedDecodeError):
+    """A compiled function failed inside the TVM VM (the TVM error is chained as ``__cause__``).
+
+    The kernels assert their inputs (token ids, block table entries, ``context_len``,
+    ``write_off``) as a second line of defence behind the session's Python checks, so this usually
+    means a check was bypassed or the artifact does not match the pool or weights.
+    """

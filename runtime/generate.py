@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from .artifact import Artifact, WeightPack
-from .errors import HandleError
+from .errors import HandleError, InputError
 from .kv_pool import PagedKVCache, SessionHandle
 from .sampling import Sampler, SamplingParams
-from .session import PagedDecodeSession, validity_key_for
+from .session import PagedDecodeSession, check_prompt, validity_key_for
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_stop_ids(stop_ids) -> set[int]:
+    """Stop ids as a set of ints (ids the model never samples are allowed: they never match)."""
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
+        raise InputError(f"stop_ids={stop_ids!r}: must be an iterable of token ids; pass () "
+                         "for none")
+    stop = list(stop_ids)
+    bad = [t for t in stop if not _is_int(t)]
+    if bad:
+        raise InputError(f"stop id {bad[0]!r} is a {type(bad[0]).__name__}, not an integer; "
+                         "pass int token ids")
+    return {int(t) for t in stop}
 
 
 @dataclasses.dataclass
@@ -39,7 +56,8 @@ class Generator:
     ``pool`` and ``weights`` may be replaced between (or during) generations: the next step
     sees the changed validity key, drops the session, builds a new one and, when the sequence's
     blocks are gone with the old allocation, prefills the tokens so far again.
-    Not safe to use from two threads at once.
+    Not safe to use from two threads at once; generators over separate pools may run
+    concurrently.
     """
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache):
@@ -73,6 +91,8 @@ class Generator:
         """One decode step; re-prefills ``history`` into a new sequence if the old one died."""
         session = self.current_session()
         if not self._owns(handle):
+            if handle.is_live:  # the pool was swapped, not cleared: free it in its old pool
+                handle.release()
             handle = self.pool.new_sequence()
             self.stats.reprefills += 1
             return handle, self._prefill(handle, history)
@@ -84,13 +104,28 @@ class Generator:
 
     def stream(self, prompt_ids, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                stop_ids: Iterable[int] = ()) -> Iterator[int]:
-        """Yield generated token ids; stops after a stop id (yielded) or max_new_tokens."""
-        sampler, stop = Sampler(sampling or SamplingParams()), set(stop_ids)
+        """Yield generated token ids; stops after a stop id (yielded) or max_new_tokens.
+
+        The arguments are checked here, before the first ``next()``: a bad prompt, a negative or
+        non-int ``max_new_tokens``, bad stop ids or sampling params raise an :class:`InputError`
+        subclass at once and allocate nothing.  A generation that outgrows the artifact's
+        ``max_blocks_cap * block_size`` raises :class:`CapacityError` from the iterator.
+        """
+        vocab = self.artifact.manifest["vocab_size"]
+        ids = check_prompt(prompt_ids, vocab)
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+            raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 0; pass the "
+                             "number of tokens to generate")
+        sampler = Sampler(sampling)
+        return self._stream(ids, int(max_new_tokens), sampler, _check_stop_ids(stop_ids))
+
+    def _stream(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler,
+                stop: set[int]) -> Iterator[int]:
         self.stats = GenerationStats(session_builds=0)
         handle = self.pool.new_sequence()
         try:
-            history = [int(t) for t in np.asarray(prompt_ids).reshape(-1)]
-            logits = self._prefill(handle, np.asarray(prompt_ids))
+            history = [int(t) for t in ids]
+            logits = self._prefill(handle, ids)
             for i in range(max_new_tokens):
                 token = sampler.sample(logits)
                 yield token

@@ -12,7 +12,8 @@ Write protocol (the session layer must follow it):
    missing blocks and copies-on-write every block in that range that is shared through
    :meth:`SessionHandle.fork`, all or nothing.
 2. Hand ``h.fill_block_table(out)`` / ``h.write_offset(pos)`` to the compiled function.
-3. ``h.advance(n)`` once the write has happened.
+3. ``h.advance(n)`` once the write has happened; if the write failed instead,
+   ``h.restore(snap)`` with ``snap = h.snapshot()`` taken before step 1 undoes step 1.
 
 A write anywhere else (below ``h.length``) needs ``h.prepare_write(pos)`` first.
 
@@ -74,6 +75,7 @@ class BlockAllocator:
         self._num_blocks = int(num_blocks)
         self._free = list(range(self._num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._ref = [0] * self._num_blocks
+        self._generation = [0] * self._num_blocks  # bumped on each allocation of a block
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +88,10 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._ref[block]
 
+    def generation(self, block: int) -> int:
+        """How often ``block`` was allocated: tells a block still held from a reused one."""
+        return self._generation[block]
+
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks with ref count 1, or :class:`OutOfBlocksError` and no change."""
         assert _is_count(n) and n >= 0, n
@@ -94,6 +100,7 @@ class BlockAllocator:
         blocks = [self._free.pop() for _ in range(n)]
         for b in blocks:
             self._ref[b] = 1
+            self._generation[b] += 1
         return blocks
 
     def incref(self, blocks) -> None:
@@ -198,7 +205,8 @@ class PagedKVCache:
     def check_handle(self, handle: SessionHandle) -> None:
         """Raise :class:`HandleError` unless ``handle`` is a live handle of this pool."""
         if not isinstance(handle, SessionHandle):
-            raise HandleError(f"expected a SessionHandle, got {type(handle).__name__}")
+            raise HandleError(f"expected a SessionHandle, got {type(handle).__name__}; pass a "
+                              "handle from pool.new_sequence()")
         with self._lock:
             if handle._pool is not self:
                 raise HandleError(
@@ -346,7 +354,8 @@ class SessionHandle:
         with self._pool._lock:
             self._check("reserve")
             if not _is_count(n_tokens) or n_tokens < 0:
-                raise InputError(f"n_tokens={n_tokens!r}: must be a non-negative integer")
+                raise InputError(f"n_tokens={n_tokens!r}: must be a non-negative integer; pass "
+                                 "the number of positions to make writable")
             target = self._length + n_tokens
             if max_tokens is not None and target > max_tokens:
                 raise CapacityError(
@@ -423,13 +432,46 @@ class SessionHandle:
             out[0, :n] = self._blocks
             out[0, n:] = 0
 
+    def snapshot(self) -> tuple:
+        """The handle's blocks (with their allocation generations) and length before a step,
+        for :meth:`restore` if the step fails."""
+        with self._pool._lock:
+            self._check("snapshot")
+            alloc = self._pool._allocator
+            return tuple((b, alloc.generation(b)) for b in self._blocks), self._length
+
+    def restore(self, snap: tuple) -> None:
+        """Undo :meth:`reserve` / :meth:`prepare_write` since ``snap`` (nothing advanced since).
+
+        Blocks allocated since are freed; a shared block that copy-on-write replaced is taken
+        back (and its private copy freed) while another sequence still holds it.  One that its
+        other owners released meanwhile (free, or allocated again: its generation changed) is
+        not taken back: the private copy (same contents up to ``length``) stays.  A released or
+        cleared handle is left alone.
+        """
+        blocks, length = snap
+        with self._pool._lock:
+            if not self.is_live:
+                return
+            assert self._length == length and len(self._blocks) >= len(blocks), (snap, self)
+            alloc = self._pool._allocator
+            give_back = self._blocks[len(blocks):]
+            for i, (old, generation) in enumerate(blocks):
+                held = alloc.refcount(old) > 0 and alloc.generation(old) == generation
+                if self._blocks[i] != old and held:
+                    alloc.incref([old])
+                    give_back.append(self._blocks[i])
+                    self._blocks[i] = old
+            alloc.decref(give_back)
+            del self._blocks[len(blocks):]
+
     def truncate_to(self, n: int) -> None:
         """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""
         with self._pool._lock:
             self._check("truncate_to")
             if not _is_count(n) or not 0 <= n <= self._length:
                 raise InputError(f"sequence {self.seq_id}: truncate_to({n!r}) needs 0 <= n <= "
-                                 f"length {self._length}")
+                                 f"length {self._length}; pass a length the sequence has")
             keep = -(-n // self._pool.block_size)
             self._pool._allocator.decref(self._blocks[keep:])
             del self._blocks[keep:]

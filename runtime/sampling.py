@@ -13,7 +13,7 @@ import numbers
 
 import numpy as np
 
-from paged_decode.runtime.errors import InputError
+from paged_decode.runtime.errors import SamplingError
 
 _NUCLEUS_EPS = 1e-9  # cumulative mass within this of top_p counts as reaching it (float rounding)
 _CHUNK = 1024  # entries per first-level bucket of the inverse-CDF draw
@@ -44,13 +44,14 @@ class SamplingParams:
     def __post_init__(self):
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
         if not (_is_real(t) and math.isfinite(t) and t >= 0):
-            raise InputError(f"temperature={t!r}: must be a finite number >= 0 (0 means greedy)")
+            raise SamplingError(f"temperature={t!r}: must be a finite number >= 0 (0 means greedy)")
         if not (_is_int(k) and k >= 0):
-            raise InputError(f"top_k={k!r}: must be an integer >= 0 (0 disables top-k)")
+            raise SamplingError(f"top_k={k!r}: must be an integer >= 0 (0 disables top-k)")
         if not (_is_real(p) and math.isfinite(p) and 0 < p <= 1):
-            raise InputError(f"top_p={p!r}: must be a finite number in (0, 1] (1 disables top-p)")
+            raise SamplingError(f"top_p={p!r}: must be a finite number in (0, 1] "
+                                "(1 disables top-p)")
         if seed is not None and not (_is_int(seed) and seed >= 0):
-            raise InputError(f"seed={seed!r}: must be None or an integer >= 0")
+            raise SamplingError(f"seed={seed!r}: must be None or an integer >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -60,14 +61,16 @@ class SamplingParams:
 class Sampler:
     """Draws token ids from logits with its own ``np.random.Generator(params.seed)``.
 
-    The same params (with a seed) and the same logits give the same sequence of ids.
+    The same params (with a seed) and the same logits give the same sequence of ids.  Not safe
+    to share between threads (the generator's state advances with each draw): one per stream.
     """
 
     def __init__(self, params: SamplingParams | None = None):
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise InputError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise SamplingError(f"params must be SamplingParams, got {type(params).__name__}; "
+                                "pass SamplingParams(temperature=..., top_k=..., top_p=...)")
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self._work = np.empty(0)  # float64 [vocab_size], reused: fresh large arrays page-fault
@@ -164,16 +167,22 @@ def _pick(weights: np.ndarray, u: float) -> tuple[int, float]:
 
 
 def _checked_logits(logits) -> tuple[np.ndarray, float]:
-    """The logits as an array and their maximum; :class:`InputError` for anything unusable."""
-    x = np.asarray(logits)
+    """The logits as an array and their maximum; :class:`SamplingError` for anything unusable."""
+    try:
+        x = np.asarray(logits)
+    except (TypeError, ValueError) as e:  # ragged nesting
+        raise SamplingError(f"logits must be a 1-D float vector [vocab_size], got "
+                            f"{type(logits).__name__} ({e})") from e
     if x.ndim != 1 or x.size == 0 or not np.issubdtype(x.dtype, np.floating):
-        raise InputError(f"logits must be a non-empty 1-D float vector [vocab_size], got "
-                         f"{x.dtype} of shape {x.shape}")
+        raise SamplingError(f"logits must be a non-empty 1-D float vector [vocab_size], got "
+                            f"{x.dtype} of shape {x.shape}; pass one row of the model's logits")
     top = float(np.max(x))  # NaN propagates through max
     if math.isnan(top):
-        raise InputError(f"logits contain NaN (first at token {int(np.flatnonzero(np.isnan(x))[0])});"
-                         " the model produced invalid values: check weights and cache_dtype")
+        first = int(np.flatnonzero(np.isnan(x))[0])
+        raise SamplingError(f"logits contain NaN (first at token {first}); the model produced "
+                            "invalid values: check the weights and cache_dtype")
     if math.isinf(top):
         what = "+inf" if top > 0 else "only -inf"
-        raise InputError(f"logits contain {what}; cannot form a distribution over the vocabulary")
+        raise SamplingError(f"logits contain {what}; cannot form a distribution over the "
+                            "vocabulary: pass finite logits (check the weights and cache_dtype)")
     return x, top

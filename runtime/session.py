@@ -8,8 +8,14 @@ Validity key (the seed's): ``(max_blocks_cap, n_layers, block_size, cache_dtype,
 alloc_id)``.  Any mismatch means the session must be dropped and rebuilt; a sequence growing into
 new blocks does not change it (the block table is per-token data).
 
-Thread safety: a session is not safe to use from two threads at once; sessions over separate pools
-are independent and may run concurrently (the pool's own state is locked).
+Every step checks its inputs in Python before the VM runs and raises a typed error (see
+:mod:`paged_decode.runtime.errors`) with the pool and the sequence as they were; the kernels assert
+the same bounds as a second line of defence, and any failure inside the VM surfaces as an
+:class:`ExecutionError` chained to the TVM error.
+
+Thread safety: a session is not safe to use from two threads at once.  Each session has its own
+VirtualMachine instance (the weight tensors are shared read-only), so sessions over separate pools
+may run concurrently from different threads; the pool's own state is locked.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact, WeightPack
-from .errors import InputError, OffsetRebindError, TopologyChanged, ValidityError
+from .errors import (BlockTableError, ExecutionError, OffsetRebindError, TokenIdError,
+                     TopologyChanged, ValidityError, WriteOffsetError)
 from .kv_pool import PagedKVCache, SessionHandle
 
 log = logging.getLogger(__name__)
@@ -44,7 +51,7 @@ def validity_key_for(artifact: Artifact, weights: WeightPack, pool: PagedKVCache
 
 
 def check_compatible(artifact: Artifact, weights: WeightPack, pool: PagedKVCache) -> None:
-    """The pool's geometry must be the artifact's."""
+    """The pool's geometry and device and the weights' layout must be the artifact's."""
     m = artifact.manifest
     want = (m["n_layers"], m["block_size"], m["cache_dtype"], m["n_kv_heads"], m["head_dim"])
     got = (pool.n_layers, pool.block_size, pool.cache_dtype, pool.n_kv_heads, pool.head_dim)
@@ -52,10 +59,58 @@ def check_compatible(artifact: Artifact, weights: WeightPack, pool: PagedKVCache
         raise ValidityError(
             f"pool (n_layers, block_size, cache_dtype, n_kv_heads, head_dim)={got} does not fit "
             f"artifact {artifact.path.name} {want}; allocate the pool with the artifact's values")
+    if str(pool.device) != str(artifact.device):
+        raise ValidityError(f"pool is on {pool.device}, artifact {artifact.path.name} runs on "
+                            f"{artifact.device}; allocate the pool on the artifact's device")
+    if weights.meta.get("params") != m["params"]:
+        raise ValidityError(f"weight pack {weights.path} has another parameter layout than "
+                            f"artifact {artifact.path.name}; load the pack built with it through "
+                            "load_weights(path, artifact)")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_token_id(token_id, vocab_size: int) -> int:
+    """``token_id`` as an int, or :class:`TokenIdError` (not an integer, or outside the vocab)."""
+    if not _is_int(token_id):
+        raise TokenIdError(f"token id {token_id!r} is a {type(token_id).__name__}, not an "
+                           f"integer; pass an int in [0, {vocab_size})")
+    if not 0 <= int(token_id) < vocab_size:
+        raise TokenIdError(f"token id {int(token_id)} outside the vocabulary [0, {vocab_size}); "
+                           "check the tokenizer matches the model")
+    return int(token_id)
+
+
+def check_prompt(token_ids, vocab_size: int) -> np.ndarray:
+    """``token_ids`` as ``int32 [n]`` (n >= 1), or :class:`TokenIdError`."""
+    if isinstance(token_ids, (str, bytes)):
+        raise TokenIdError(f"prompt {token_ids[:20]!r} is text, not token ids; encode it with the "
+                           "model's tokenizer first")
+    try:
+        ids = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as e:  # ragged nesting
+        raise TokenIdError(f"prompt {str(token_ids)[:40]} is not a 1-D sequence of token ids "
+                           f"({e}); pass a flat list of ints") from e
+    if ids.ndim != 1 or ids.size == 0:
+        raise TokenIdError(f"prompt must be a non-empty 1-D sequence of token ids, got shape "
+                           f"{ids.shape}; pass a flat list of ints such as [1, 2, 3]")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TokenIdError(f"prompt token ids must be integers, got dtype {ids.dtype} (first "
+                           f"value {ids[0]!r}); pass ints, not floats or bools")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise TokenIdError(f"prompt token id {int(bad[0])} outside the vocabulary "
+                           f"[0, {vocab_size}); check the tokenizer matches the model")
+    return ids.astype(np.int32)
 
 
 class PagedDecodeSession:
-    """Decode plan bound to one (artifact, weights, pool allocation)."""
+    """Decode plan bound to one (artifact, weights, pool allocation).
+
+    Not safe to use from two threads at once; sessions over separate pools may run concurrently.
+    """
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache):
         check_compatible(artifact, weights, pool)
@@ -63,9 +118,9 @@ class PagedDecodeSession:
         self.key = validity_key_for(artifact, weights, pool)
         self.max_tokens = artifact.max_blocks_cap * artifact.block_size
         self.vocab_size = artifact.manifest["vocab_size"]
-        self._decode = artifact.vm["decode"]
-        self._prefill = artifact.vm["prefill"]
-        self._pools, self._params = pool.pools, weights.params
+        self._vm = artifact.new_vm()  # one VM per session: never shared between threads
+        self._decode, self._prefill = self._vm["decode"], self._vm["prefill"]
+        self._bound_pool, self._pools, self._params = pool, pool.pools, weights.params
         dev = artifact.device
         self._token = tvm.runtime.empty((1,), "int32", dev)
         self._table = tvm.runtime.empty((1, artifact.max_blocks_cap), "int32", dev)
@@ -90,19 +145,28 @@ class PagedDecodeSession:
         return self.key == ValidityKey(max_blocks_cap, n_layers, block_size, cache_dtype,
                                        shape_key, alloc_id)
 
-    def check_topology(self, handle: SessionHandle) -> None:
-        """``TopologyChanged`` if the pool was cleared since the build; ``HandleError`` if the
-        handle is released or belongs to another pool."""
+    def check_pool(self) -> None:
+        """``TopologyChanged`` if ``self.pool`` was swapped or cleared since the build."""
+        if self.pool is not self._bound_pool:
+            raise TopologyChanged(
+                f"session was built over pool allocation {self.key.alloc_id}, but its pool was "
+                f"swapped for another (allocation {getattr(self.pool, 'alloc_id', None)}); build "
+                "a new session for the new pool")
         if self.pool.alloc_id != self.key.alloc_id:
             raise TopologyChanged(
                 f"pool allocation changed from {self.key.alloc_id} to {self.pool.alloc_id} "
                 "(pool cleared); drop this session and build a new one")
+
+    def check_topology(self, handle: SessionHandle) -> None:
+        """``TopologyChanged`` if the pool was swapped or cleared since the build;
+        ``HandleError`` if the handle is released or belongs to another pool."""
+        self.check_pool()
         self.pool.check_handle(handle)
 
     # -- the per-token write offset -----------------------------------------------------------
     def bind_offset(self, write_off: int) -> None:
         """Bind this step's flattened write offset; a different value before the step runs is
-        an ``OffsetRebindError`` (the step keeps its first binding)."""
+        an ``OffsetRebindError`` (the step does not run and the binding is dropped)."""
         if self._bound_offset is not None and self._bound_offset != write_off:
             raise OffsetRebindError(
                 f"write offset already bound to {self._bound_offset} for this step, got "
@@ -113,24 +177,15 @@ class PagedDecodeSession:
         self._bound_offset = None
 
     # -- steps --------------------------------------------------------------------------------
-    def _check_token(self, token_id) -> int:
-        if isinstance(token_id, (bool, np.bool_)) or not isinstance(token_id, (int, np.integer)):
-            raise InputError(f"token id {token_id!r}: must be an integer")
-        if not 0 <= int(token_id) < self.vocab_size:
-            raise InputError(f"token id {int(token_id)} outside the vocabulary "
-                             f"[0, {self.vocab_size}); check the tokenizer matches the model")
-        return int(token_id)
-
     def realize_token(self, handle: SessionHandle, token_id: int) -> np.ndarray:
         """Decode one token of ``handle``'s sequence; returns logits ``(vocab,) float32``.
 
         Writes K/V of position ``handle.length`` into the pool, then advances the handle.  On any
-        error the handle and the pool are as they were.
+        error the handle (length and blocks) and the allocator are as they were.
         """
         self.check_topology(handle)
-        token_id = self._check_token(token_id)
-        pos = handle.length
-        before = len(handle.blocks)
+        token_id = check_token_id(token_id, self.vocab_size)
+        pos, snap = handle.length, handle.snapshot()
         handle.reserve(1, self.max_tokens)
         try:
             off = handle.write_offset(pos)
@@ -138,10 +193,10 @@ class PagedDecodeSession:
             handle.fill_block_table(self._table_host)
             self._token_host[0] = token_id
             self._upload()
-            logits = self._decode(self._token, self._table, pos + 1, off, self._pools,
-                                  self._params)
+            logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
+                                self._pools, self._params)
         except BaseException:
-            self._rollback(handle, pos, before)
+            handle.restore(snap)
             raise
         finally:
             self._bound_offset = None
@@ -150,37 +205,87 @@ class PagedDecodeSession:
         return logits.numpy()[0]
 
     def prefill(self, handle: SessionHandle, token_ids) -> np.ndarray:
-        """Run the compiled prefill over ``token_ids`` appended to the sequence; returns the
-        last position's logits.  Does not count in ``realize_count`` (no decode plan reuse)."""
+        """Run the compiled prefill over ``token_ids`` (``[n]`` ints) appended to the sequence;
+        returns the last position's logits ``(vocab,) float32``.  Does not count in
+        ``realize_count`` (no decode plan reuse).  On any error nothing changed."""
         self.check_topology(handle)
-        ids = self._check_prompt(token_ids)
-        start, before = handle.length, len(handle.blocks)
+        ids = check_prompt(token_ids, self.vocab_size)
+        start, snap = handle.length, handle.snapshot()
         handle.reserve(len(ids), self.max_tokens)
         try:
             handle.fill_block_table(self._table_host)
             self._upload()
             ids_t = tvm.runtime.tensor(ids, self.artifact.device)
-            logits = self._prefill(ids_t, self._table, start, self._pools, self._params)
+            logits = self._call("prefill", self._prefill, ids_t, self._table, start, self._pools,
+                                self._params)
         except BaseException:
-            self._rollback(handle, start, before)
+            handle.restore(snap)
             raise
         handle.advance(len(ids))
         return logits.numpy()[0]
 
-    def _check_prompt(self, token_ids) -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise InputError(f"prompt must be a non-empty 1-D sequence of token ids, got shape "
-                             f"{ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InputError(f"prompt token ids must be integers, got dtype {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
-        if bad.size:
-            raise InputError(f"prompt token id {int(bad[0])} outside the vocabulary "
-                             f"[0, {self.vocab_size}); check the tokenizer matches the model")
-        return ids.astype(np.int32)
+    def decode_raw(self, token_id: int, block_table: np.ndarray, context_len: int,
+                   write_off: int) -> np.ndarray:
+        """One decode step over a caller-managed block table: no handle, no allocator.
 
-    def _rollback(self, handle: SessionHandle, length: int, blocks_before: int) -> None:
-        """Give back blocks reserved for a step that did not run."""
-        if handle.is_live and len(handle.blocks) > blocks_before:
-            handle.truncate_to(length)
+        ``block_table``: ``int32 (1, max_blocks_cap)``; its first ``ceil(context_len /
+        block_size)`` entries must lie in ``[0, num_blocks)`` (the rest is padding, ignored).
+        ``context_len``: tokens including this one, in ``[1, max_blocks_cap * block_size]``.
+        ``write_off``: ``block_table[0, (context_len - 1) // block_size] * block_size +
+        (context_len - 1) % block_size``; K/V of this token are written there in every layer,
+        so the caller must own that block.  All of it is checked before the VM runs
+        (:class:`BlockTableError`, :class:`WriteOffsetError`, :class:`TokenIdError`).
+        Returns logits ``(vocab,) float32``.
+        """
+        self.check_pool()
+        token_id = check_token_id(token_id, self.vocab_size)
+        context_len, write_off = self._check_raw(block_table, context_len, write_off)
+        self.bind_offset(write_off)
+        try:
+            self._table_host[...] = block_table
+            self._token_host[0] = token_id
+            self._upload()
+            logits = self._call("decode", self._decode, self._token, self._table, context_len,
+                                write_off, self._pools, self._params)
+        finally:
+            self._bound_offset = None
+        self.realize_count += 1
+        return logits.numpy()[0]
+
+    def _check_raw(self, table, context_len, write_off) -> tuple[int, int]:
+        cap, bs, nb = self.artifact.max_blocks_cap, self.pool.block_size, self.pool.num_blocks
+        if not isinstance(table, np.ndarray) or table.dtype != np.int32:
+            raise BlockTableError(
+                f"block_table must be a numpy int32 array, got {type(table).__name__} "
+                f"{getattr(table, 'dtype', '')}; pass np.asarray(table, dtype=np.int32)")
+        if table.shape != (1, cap):
+            raise BlockTableError(f"block_table shape {table.shape}, expected (1, {cap}) = (1, "
+                                  "max_blocks_cap); pad it with 0 to the artifact's width")
+        if not _is_int(context_len) or not 1 <= context_len <= cap * bs:
+            raise BlockTableError(
+                f"context_len={context_len!r} outside [1, {cap * bs}] (max_blocks_cap * "
+                "block_size); pass the sequence length including this token")
+        used = table[0, :-(-int(context_len) // bs)]
+        bad = np.flatnonzero((used < 0) | (used >= nb))
+        if bad.size:
+            i = int(bad[0])
+            raise BlockTableError(f"block_table[0, {i}] = {int(used[i])} is outside the pool "
+                                  f"[0, {nb}); use block ids this pool allocated")
+        pos = int(context_len) - 1
+        want = int(used[pos // bs]) * bs + pos % bs
+        if not _is_int(write_off) or write_off != want:
+            raise WriteOffsetError(
+                f"write_off={write_off!r} does not match the block table at context_len - 1 = "
+                f"{pos} (block {int(used[pos // bs])}, slot {pos % bs}); pass {want}")
+        return int(context_len), int(write_off)
+
+    def _call(self, name: str, fn, *args):
+        """Run a compiled function; a TVM failure becomes an :class:`ExecutionError`."""
+        try:
+            return fn(*args)
+        except Exception as e:  # TVM raises plain RuntimeErrors (kernel asserts included)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ExecutionError(
+                f"compiled {name} of {self.artifact.path.name} failed: {first}; the sequence was "
+                "not advanced; check the step's inputs (token id, block table, context_len, "
+                "write_off) or rebuild the artifact if it keeps failing") from e

@@ -137,6 +137,7 @@ class StreamDecoder:
     A byte-level token can end inside a UTF-8 character; its text is held back until the
     character completes.  ``"".join(pushes) + flush()`` equals ``decode(all ids)``.  Decoding
     restarts from the previous emitted token (not the start), so a step costs O(1) tokens.
+    One decoder per stream: not safe to share between threads.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):

@@ -61,6 +61,8 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
+            for b in range((context_len + bs - 1) // bs):  # every entry attention will read
+                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
             assert T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs + (context_len - 1) % bs == write_off, "write_off does not match the block table at context_len - 1"
             rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
                        write_off // bs, write_off % bs)
