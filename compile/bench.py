@@ -10,7 +10,7 @@ installed.  Results go to JSON, a Markdown table and a PNG.
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import platform
 import tempfile
@@ -169,33 +169,53 @@ def _ours(model: str, dtype: str, cfg: dict, artifacts, say) -> dict:
     return res
 
 
-def _baselines(model: str, dtype: str, cfg: dict, say, workdir: Path) -> dict:
+def _in_child(fn, *args):
+    """Run ``fn(*args)`` in a fresh process: another engine's thread pool (TVM's workers spin
+    after each call) must not share cores with the one being timed."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _llamacpp_child(model: str, dtype: str, cfg: dict, workdir: str) -> dict:
     source = resolve_model(model)
-    params = None
+    gguf = baselines.write_gguf(source.config, source.load_params("float32"),
+                                Path(workdir) / f"bench-{dtype}.gguf", dtype)
+    try:
+        return baselines.time_llamacpp(gguf, cfg["contexts"], cfg["n_tokens"], cfg["prompts"],
+                                       os.cpu_count() or 1, dtype)
+    finally:
+        gguf.unlink()
+
+
+def _hf_child(model: str, cfg: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    source = resolve_model(model)
+    model_hf = baselines.hf_model(source.config, source.load_params("float32"), "float32")
+    return baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 4, 4),
+                             cfg["prompts"])
+
+
+def _baselines(model: str, dtype: str, cfg: dict, say, workdir: Path) -> dict:
+    """llama.cpp (same dtype) and HF eager (float32) on the same weights, each in a child."""
     out = {}
     reason = baselines.llamacpp_available()
     if reason:
         out["llama.cpp"] = {"skipped": reason}
     else:
         say(f"  llama.cpp {dtype}")
-        params = source.load_params("float32")
-        gguf = baselines.write_gguf(source.config, params, workdir / f"bench-{dtype}.gguf", dtype)
-        out["llama.cpp"] = baselines.time_llamacpp(gguf, cfg["contexts"], cfg["n_tokens"],
-                                                   cfg["prompts"], os.cpu_count() or 1, dtype)
-        gguf.unlink()
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+        out["llama.cpp"] = _in_child(_llamacpp_child, model, dtype, cfg, str(workdir))
+    if importlib.util.find_spec("transformers") is None:
         out["hf-eager"] = {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
-        return out
-    if dtype != "float32":
+    elif dtype != "float32":
         out["hf-eager"] = {"skipped": "HF eager float16 on CPU has no fast kernels; float32 only"}
-        return out
-    say("  HF transformers eager float32")
-    params = params or source.load_params("float32")
-    model_hf = baselines.hf_model(source.config, params, "float32")
-    out["hf-eager"] = baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 4, 4),
-                                        cfg["prompts"])
+    else:
+        say("  HF transformers eager float32")
+        out["hf-eager"] = _in_child(_hf_child, model, cfg)
     return out
 
 

@@ -41,7 +41,7 @@ def markdown(report: dict) -> str:
                   + " | ".join(_fmt(run["floor_ms"][c]) for c in contexts) + " | |"]
         lines += _engine_rows(run, contexts)
     lines += ["", "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
-              "re-plan/plan-once | llama.cpp/ours tok/s |", "|---|---|---|---|---|---|---|"]
+              "re-plan/plan-once | ours/llama.cpp tok/s |", "|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         o, lc = run["ours"], run["baselines"].get("llama.cpp", {})
         speedups = [lc["decode_ms"][c] / o["decode_ms"][c] for c in contexts

@@ -301,6 +301,7 @@ class PagedKVCache:
             handle._blocks[i] = dst
         self._allocator.decref(old)  # each stays owned by its other holders (ref count was > 1)
         handle._blocks.extend(fresh[len(shared):])
+        handle.version += 1
 
 
 class SessionHandle:
@@ -311,11 +312,12 @@ class SessionHandle:
     from two threads at once.
     """
 
-    __slots__ = ("_pool", "_alloc_id", "seq_id", "_blocks", "_length", "_released")
+    __slots__ = ("_pool", "_alloc_id", "seq_id", "_blocks", "_length", "_released", "version")
 
     def __init__(self, pool: PagedKVCache, seq_id: int, blocks: list[int], length: int):
         self._pool, self._alloc_id, self.seq_id = pool, pool.alloc_id, seq_id
         self._blocks, self._length, self._released = blocks, length, False
+        self.version = 0  # bumped whenever the block list changes (callers cache block tables)
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -440,6 +442,19 @@ class SessionHandle:
             alloc = self._pool._allocator
             return tuple((b, alloc.generation(b)) for b in self._blocks), self._length
 
+    def next_write_offset(self) -> int | None:
+        """Offset of position ``length`` when writing it needs no new block and no copy (the
+        common decode step), else None (then :meth:`reserve` has work to do).  Changes nothing."""
+        with self._pool._lock:
+            self._check("next_write_offset")
+            pos, bs = self._length, self._pool.block_size
+            if pos >= len(self._blocks) * bs:
+                return None
+            block = self._blocks[pos // bs]
+            if self._pool._allocator.refcount(block) != 1:
+                return None
+            return block * bs + pos % bs
+
     def restore(self, snap: tuple) -> None:
         """Undo :meth:`reserve` / :meth:`prepare_write` since ``snap`` (nothing advanced since).
 
@@ -464,6 +479,7 @@ class SessionHandle:
                     self._blocks[i] = old
             alloc.decref(give_back)
             del self._blocks[len(blocks):]
+            self.version += 1
 
     def truncate_to(self, n: int) -> None:
         """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""
@@ -475,6 +491,7 @@ class SessionHandle:
             keep = -(-n // self._pool.block_size)
             self._pool._allocator.decref(self._blocks[keep:])
             del self._blocks[keep:]
+            self.version += 1
             self._length = n
 
     def fork(self) -> SessionHandle:

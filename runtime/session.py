@@ -106,6 +106,13 @@ def check_prompt(token_ids, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
+def _host_logits(logits) -> np.ndarray:
+    """Copy the VM's (1, vocab) output into a fresh host array (the VM reuses its memory)."""
+    if logits.device.dlpack_device_type() == 1:
+        return np.array(np.from_dlpack(logits)[0])
+    return logits.numpy()[0]
+
+
 class PagedDecodeSession:
     """Decode plan bound to one (artifact, weights, pool allocation).
 
@@ -126,6 +133,7 @@ class PagedDecodeSession:
         self._table = tvm.runtime.empty((1, artifact.max_blocks_cap), "int32", dev)
         self._token_host, self._table_host = self._host_views(dev)
         self._bound_offset: int | None = None
+        self._table_of = None  # (seq_id, block-list version) the block table holds now
         self.realize_count = 0
 
     def _host_views(self, dev):
@@ -185,24 +193,32 @@ class PagedDecodeSession:
         """
         self.check_topology(handle)
         token_id = check_token_id(token_id, self.vocab_size)
-        pos, snap = handle.length, handle.snapshot()
-        handle.reserve(1, self.max_tokens)
+        pos = handle.length
+        off = handle.next_write_offset() if pos < self.max_tokens else None
+        snap = None
+        if off is None:  # a new block, a copy-on-write, or past the cap: the general path
+            snap = handle.snapshot()
+            handle.reserve(1, self.max_tokens)
         try:
-            off = handle.write_offset(pos)
+            if off is None:
+                off = handle.write_offset(pos)
             self.bind_offset(off)
-            handle.fill_block_table(self._table_host)
+            if self._table_of != (handle.seq_id, handle.version):
+                handle.fill_block_table(self._table_host)
+                self._table_of = (handle.seq_id, handle.version)
             self._token_host[0] = token_id
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
                                 self._pools, self._params)
         except BaseException:
-            handle.restore(snap)
+            if snap is not None:
+                handle.restore(snap)
             raise
         finally:
             self._bound_offset = None
         handle.advance(1)
         self.realize_count += 1
-        return logits.numpy()[0]
+        return _host_logits(logits)
 
     def prefill(self, handle: SessionHandle, token_ids) -> np.ndarray:
         """Run the compiled prefill over ``token_ids`` (``[n]`` ints) appended to the sequence;
@@ -214,6 +230,7 @@ class PagedDecodeSession:
         handle.reserve(len(ids), self.max_tokens)
         try:
             handle.fill_block_table(self._table_host)
+            self._table_of = (handle.seq_id, handle.version)
             self._upload()
             ids_t = tvm.runtime.tensor(ids, self.artifact.device)
             logits = self._call("prefill", self._prefill, ids_t, self._table, start, self._pools,
@@ -222,7 +239,7 @@ class PagedDecodeSession:
             handle.restore(snap)
             raise
         handle.advance(len(ids))
-        return logits.numpy()[0]
+        return _host_logits(logits)
 
     def decode_raw(self, token_id: int, block_table: np.ndarray, context_len: int,
                    write_off: int) -> np.ndarray:
@@ -243,6 +260,7 @@ class PagedDecodeSession:
         self.bind_offset(write_off)
         try:
             self._table_host[...] = block_table
+            self._table_of = None
             self._token_host[0] = token_id
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, context_len,
@@ -250,7 +268,7 @@ class PagedDecodeSession:
         finally:
             self._bound_offset = None
         self.realize_count += 1
-        return logits.numpy()[0]
+        return _host_logits(logits)
 
     def _check_raw(self, table, context_len, write_off) -> tuple[int, int]:
         cap, bs, nb = self.artifact.max_blocks_cap, self.pool.block_size, self.pool.num_blocks
