@@ -145,15 +145,18 @@ def cache_cmd(artifacts, clear):
 @click.option("--model", "models", multiple=True, default=["tiny"], show_default=True,
               help="presets / model paths to measure (repeatable)")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path())
+@click.option("--dtype", "dtypes", multiple=True, type=DTYPE,
+              default=["float32", "float16"], show_default=True,
+              help="weight and KV-cache dtype (repeatable)")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @_clean_errors
-def bench_cmd(models, out, quick, artifacts):
+def bench_cmd(models, out, dtypes, quick, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.compile.bench import run_bench
 
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
-                       progress=_progress)
+                       dtypes=tuple(dtypes), progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
 
