@@ -174,7 +174,7 @@ def _ref_norm(x, g, eps=1e-5):
 
 
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
-@pytest.mark.parametrize("n", [1, 4, 7])
+@pytest.mark.parametrize("n", [1, 4, 7, 70, 131])  # 70, 131: several 64-token blocks
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual"])
 def test_prefill_linear(wdt, n, epilogue):
     N, K = 40, 72  # K not a multiple of the vector width: exercises the tail
@@ -215,7 +215,7 @@ def _ref_swiglu(xn, w, inter):
     return g / (1 + np.exp(-g)) * u
 
 
-@pytest.mark.parametrize("n", [1, 6])
+@pytest.mark.parametrize("n", [1, 6, 70])
 def test_prefill_swiglu(n):
     inter, K = 24, 40
     rng = np.random.default_rng(1)

@@ -26,6 +26,7 @@ def token_dim(n_static: int | None):
 
 
 TM = 4  # tokens per tile
+MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
 
 
 def _reduce_macro(K, wdt, TM, TN):
@@ -45,9 +46,14 @@ def _reduce_macro(K, wdt, TM, TN):
         for r, c, v in T.grid(TM, TN, KT):
             acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * T.Cast(
                 "float32", W[c0 + c, KO * VL + v])
-        for r, c in T.grid(TM, TN):
-            for v in range(1, VL):
-                acc[r, c, 0] = acc[r, c, 0] + acc[r, c, v]
+        for r, c in T.grid(TM, TN):  # halving sums: 4 vector adds per output, not 15 scalar
+            for v in T.vectorized(8):
+                acc[r, c, v] = acc[r, c, v] + acc[r, c, v + 8]
+            for v in T.vectorized(4):
+                acc[r, c, v] = acc[r, c, v] + acc[r, c, v + 4]
+            for v in T.vectorized(2):
+                acc[r, c, v] = acc[r, c, v] + acc[r, c, v + 2]
+            acc[r, c, 0] = acc[r, c, 0] + acc[r, c, 1]
 
     return accumulate
 
@@ -70,16 +76,22 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
             else:
                 y[m0 + r, c0 + c] = acc[r, c, 0]
 
+    NT = N // TN
+
     @T.macro
     def body(x, W, y, bias, res, n):
-        for co in T.parallel(N // TN):
+        # tasks = (token block, weight tile), token block outermost: a thread sweeps the weight
+        # tiles (L3) against one block of activations that stays in its L2
+        for task in T.parallel((n + MB - 1) // MB * NT):
             acc = T.decl_buffer((TM, TN, VL), "float32", scope="local")
-            for mo in range(n // TM):
-                acc_main(x, W, acc, mo * TM, co * TN)
-                store(y, acc, mo * TM, co * TN, TM, bias, res)
-            for mt in range(n % TM):
-                acc_tail(x, W, acc, n // TM * TM + mt, co * TN)
-                store(y, acc, n // TM * TM + mt, co * TN, 1, bias, res)
+            m0, co = task // NT * MB, task % NT
+            rows = T.min(n - m0, MB)
+            for mo in range(rows // TM):
+                acc_main(x, W, acc, m0 + mo * TM, co * TN)
+                store(y, acc, m0 + mo * TM, co * TN, TM, bias, res)
+            for mt in range(rows % TM):
+                acc_tail(x, W, acc, m0 + rows // TM * TM + mt, co * TN)
+                store(y, acc, m0 + rows // TM * TM + mt, co * TN, 1, bias, res)
 
     n = token_dim(None)
     if epilogue == "none":
@@ -112,6 +124,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
 def linear_swiglu(I: int, K: int, wdt: str):
     """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
     TN = pick_tile(I, (4, 2, 1))
+    NT = I // TN
     acc_main = _reduce_macro(K, wdt, TM, TN)
     acc_tail = _reduce_macro(K, wdt, 1, TN)
     n = token_dim(None)
@@ -126,16 +139,18 @@ def linear_swiglu(I: int, K: int, wdt: str):
         x = T.match_buffer(var_x, (n, K), "float32")
         act = T.match_buffer(var_act, (n, I), "float32")
         with T.sblock("root"):
-            for co in T.parallel(I // TN):
+            for task in T.parallel((n + MB - 1) // MB * NT):
                 g = T.decl_buffer((TM, TN, VL), "float32", scope="local")
                 u = T.decl_buffer((TM, TN, VL), "float32", scope="local")
-                for mo in range(n // TM):
-                    acc_main(x, W, g, mo * TM, co * TN)
-                    acc_main(x, W, u, mo * TM, I + co * TN)
-                    store(act, g, u, mo * TM, co * TN, TM)
-                for mt in range(n % TM):
-                    acc_tail(x, W, g, n // TM * TM + mt, co * TN)
-                    acc_tail(x, W, u, n // TM * TM + mt, I + co * TN)
-                    store(act, g, u, n // TM * TM + mt, co * TN, 1)
+                m0, co = task // NT * MB, task % NT
+                rows = T.min(n - m0, MB)
+                for mo in range(rows // TM):
+                    acc_main(x, W, g, m0 + mo * TM, co * TN)
+                    acc_main(x, W, u, m0 + mo * TM, I + co * TN)
+                    store(act, g, u, m0 + mo * TM, co * TN, TM)
+                for mt in range(rows % TM):
+                    acc_tail(x, W, g, m0 + rows // TM * TM + mt, co * TN)
+                    acc_tail(x, W, u, m0 + rows // TM * TM + mt, I + co * TN)
+                    store(act, g, u, m0 + rows // TM * TM + mt, co * TN, 1)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")
