@@ -25,7 +25,6 @@ Handles are not released by garbage collection: call :meth:`SessionHandle.releas
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import threading
@@ -33,9 +32,8 @@ import threading
 import numpy as np
 import tvm
 
-from paged_decode.runtime.errors import (
-    CapacityError, ConfigError, HandleError, InputError, OutOfBlocksError,
-)
+from paged_decode.runtime.block_allocator import BlockAllocator, is_count
+from paged_decode.runtime.errors import CapacityError, ConfigError, HandleError, InputError
 
 log = logging.getLogger(__name__)
 
@@ -52,85 +50,11 @@ def _mint(counter: itertools.count) -> int:
         return next(counter)
 
 
-def _is_count(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 class PoolConfigError(ConfigError, InputError):
     """A pool argument (shape, dtype, size or memory budget) is invalid.
 
     Both a :class:`ConfigError` and an :class:`InputError`, so either catch works.
     """
-
-
-class BlockAllocator:
-    """Free list (LIFO) and ref counts over the block ids ``0 .. num_blocks - 1``.
-
-    Pure Python and not locked: :class:`PagedKVCache` calls it under its own lock.  Misuse by the
-    pool itself (decref of a free block, incref of a free block) is an ``AssertionError``.
-    """
-
-    def __init__(self, num_blocks: int):
-        assert _is_count(num_blocks) and num_blocks >= 1, num_blocks
-        self._num_blocks = int(num_blocks)
-        self._free = list(range(self._num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._ref = [0] * self._num_blocks
-        self._generation = [0] * self._num_blocks  # bumped on each allocation of a block
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def refcount(self, block: int) -> int:
-        return self._ref[block]
-
-    def generation(self, block: int) -> int:
-        """How often ``block`` was allocated: tells a block still held from a reused one."""
-        return self._generation[block]
-
-    def allocate(self, n: int) -> list[int]:
-        """``n`` fresh blocks with ref count 1, or :class:`OutOfBlocksError` and no change."""
-        assert _is_count(n) and n >= 0, n
-        if n > len(self._free):
-            raise OutOfBlocksError(n, len(self._free), self._num_blocks)
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._ref[b] = 1
-            self._generation[b] += 1
-        return blocks
-
-    def incref(self, blocks) -> None:
-        for b in blocks:
-            assert self._ref[b] > 0, f"incref of free block {b}"
-        for b in blocks:
-            self._ref[b] += 1
-
-    def decref(self, blocks) -> None:
-        """Drop one reference per listed block; a block whose count reaches 0 is free again."""
-        for b, n in collections.Counter(blocks).items():
-            assert self._ref[b] >= n, f"decref of block {b} below 0 (ref count {self._ref[b]})"
-        for b in blocks:
-            self._ref[b] -= 1
-            if self._ref[b] == 0:
-                self._free.append(b)
-
-    def state(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``(free list, ref counts)`` as tuples, to compare before/after in tests."""
-        return tuple(self._free), tuple(self._ref)
-
-    def check_invariants(self) -> None:
-        free = set(self._free)
-        assert len(free) == len(self._free), f"duplicate block in the free list {self._free}"
-        assert all(0 <= b < self._num_blocks for b in free), f"bad block id in {self._free}"
-        for b, ref in enumerate(self._ref):
-            assert ref >= 0, f"block {b}: negative ref count {ref}"
-            assert (ref == 0) == (b in free), f"block {b}: ref count {ref}, free={b in free}"
-        owned = sum(1 for ref in self._ref if ref > 0)
-        assert owned + len(free) == self._num_blocks, (owned, len(free), self._num_blocks)
 
 
 class PagedKVCache:
@@ -147,7 +71,7 @@ class PagedKVCache:
                  memory_budget_bytes: int | None = None, device=None):
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads),
                             ("head_dim", head_dim), ("block_size", block_size)):
-            if not _is_count(value) or value <= 0:
+            if not is_count(value) or value <= 0:
                 raise PoolConfigError(f"{name}={value!r}: must be a positive integer")
         if cache_dtype not in CACHE_DTYPES:
             raise PoolConfigError(f"cache_dtype={cache_dtype!r}: supported are {list(CACHE_DTYPES)}")
@@ -243,10 +167,10 @@ class PagedKVCache:
             raise PoolConfigError(
                 f"give exactly one of num_blocks ({num_blocks!r}) and memory_budget_bytes ({budget!r})")
         if num_blocks is not None:
-            if not _is_count(num_blocks) or num_blocks < 1:
+            if not is_count(num_blocks) or num_blocks < 1:
                 raise PoolConfigError(f"num_blocks={num_blocks!r}: must be a positive integer")
             return int(num_blocks)
-        if not _is_count(budget) or budget < 0:
+        if not is_count(budget) or budget < 0:
             raise PoolConfigError(f"memory_budget_bytes={budget!r}: must be a non-negative integer")
         if budget < self.bytes_per_block:
             raise PoolConfigError(
@@ -355,7 +279,7 @@ class SessionHandle:
         """
         with self._pool._lock:
             self._check("reserve")
-            if not _is_count(n_tokens) or n_tokens < 0:
+            if not is_count(n_tokens) or n_tokens < 0:
                 raise InputError(f"n_tokens={n_tokens!r}: must be a non-negative integer; pass "
                                  "the number of positions to make writable")
             target = self._length + n_tokens
@@ -387,7 +311,7 @@ class SessionHandle:
         """Count ``n`` more tokens as written; they must lie in the reserved capacity."""
         with self._pool._lock:
             self._check("advance")
-            assert _is_count(n) and n >= 0, n
+            assert is_count(n) and n >= 0, n
             assert self._length + n <= len(self._blocks) * self._pool.block_size, (
                 f"sequence {self.seq_id}: advance({n}) from length {self._length} past the "
                 f"{len(self._blocks)} reserved blocks; call reserve() first")
@@ -485,7 +409,7 @@ class SessionHandle:
         """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""
         with self._pool._lock:
             self._check("truncate_to")
-            if not _is_count(n) or not 0 <= n <= self._length:
+            if not is_count(n) or not 0 <= n <= self._length:
                 raise InputError(f"sequence {self.seq_id}: truncate_to({n!r}) needs 0 <= n <= "
                                  f"length {self._length}; pass a length the sequence has")
             keep = -(-n // self._pool.block_size)
@@ -526,6 +450,6 @@ class SessionHandle:
 
     def _check_pos(self, pos: int) -> None:
         cap = len(self._blocks) * self._pool.block_size
-        if not _is_count(pos) or not 0 <= pos < cap:
+        if not is_count(pos) or not 0 <= pos < cap:
             raise InputError(f"sequence {self.seq_id}: position {pos!r} is outside the reserved "
                              f"capacity [0, {cap}); call reserve() first")
