@@ -18,7 +18,8 @@ from .build import build_into, make_spec, manifest_for
 from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
-from .weights import ModelSource, export_tokenizer, resolve_model
+from .tokenizer_export import export_tokenizer
+from .weights import ModelSource, resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The deploy-side tokenizer: ``tokenizer.json`` + ``tokenizer_meta.json`` from an artifact folder.
 
 Needs only ``tokenizers`` and ``jinja2`` (never ``paged_decode.compile``).  The two files are
-written at build time by ``compile.weights.export_tokenizer``:
+written at build time by ``compile.tokenizer_export.export_tokenizer``:
 
 - ``tokenizer.json``: a ``tokenizers.Tokenizer`` (its post-processor is not used; BOS is added here)
 - ``tokenizer_meta.json``: ``{"bos_id": int|null, "eos_ids": [int], "add_bos": bool,

@@ -14,7 +14,8 @@ import pytest
 
 from paged_decode.compile import weights
 from paged_decode.compile.params import param_specs
-from paged_decode.compile.weights import export_tokenizer, resolve_model
+from paged_decode.compile.tokenizer_export import export_tokenizer
+from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.errors import ConfigError, InputError, WeightsError
 from paged_decode.runtime.tokenizer import StreamDecoder, Tokenizer
 

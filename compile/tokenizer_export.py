@@ -1,0 +1,161 @@
+"""Tokenizer export: a model's tokenizer as ``tokenizer.json`` + ``tokenizer_meta.json``.
+
+The runtime (:mod:`paged_decode.runtime.tokenizer`) reads only those two files, so a deploy box
+needs neither transformers nor the GGUF reader.  HF directories copy their fast tokenizer; GGUF
+files are converted from ``tokenizer.ggml.*`` (GPT-2 style byte-level BPE, with llama.cpp's
+pre-tokenizer for the file's ``tokenizer.ggml.pre``); presets get a byte-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from paged_decode.runtime.errors import ConfigError
+
+from .weights import ModelSource, gguf_fields
+
+
+def export_tokenizer(source: ModelSource, out_dir: str | Path) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_meta.json`` (bos_id, eos_ids, add_bos,
+    chat_template) into ``out_dir``, for :class:`paged_decode.runtime.tokenizer.Tokenizer`."""
+    from tokenizers import Tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if source.kind == "hf":
+        src = source.path / "tokenizer.json"
+        if not src.is_file():
+            raise ConfigError(f"{source.path}: no tokenizer.json (the fast-tokenizer file); "
+                              "write it with transformers' AutoTokenizer.save_pretrained")
+        shutil.copyfile(src, out_dir / "tokenizer.json")
+        meta = _hf_tokenizer_meta(source.path, Tokenizer.from_file(str(src)))
+    elif source.kind == "gguf":
+        fields = gguf_fields(source.path)
+        _gguf_tokenizer(fields, str(source.path)).save(str(out_dir / "tokenizer.json"))
+        meta = _gguf_tokenizer_meta(fields)
+    else:
+        _byte_tokenizer(source.config.vocab_size).save(str(out_dir / "tokenizer.json"))
+        meta = {"bos_id": None, "eos_ids": [], "add_bos": False, "chat_template": None}
+    (out_dir / "tokenizer_meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+
+
+def _byte_tokenizer(vocab_size: int):
+    """Byte-level tokenizer whose ids are the UTF-8 byte values (no merges).
+
+    Ids 256..vocab_size-1 decode as ``<id>`` placeholders and are never produced by encode.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    vocab.update({f"<{i}>": i for i in range(256, vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), 256)}
+    others = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(others)) for b in range(256)}
+
+
+# llama.cpp's `tokenizer.ggml.pre` -> how the HF tokenizer of that vocabulary splits text.
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
+                     "minerva")
+
+
+def _gguf_pre_tokenizer(pre: str | None, source: str):
+    from tokenizers import pre_tokenizers as pt
+
+    gpt2 = pt.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in (None, "default", "gpt2"):
+        return gpt2
+    if pre in _DIGITS_THEN_GPT2:  # e.g. SmolLM's tokenizer.json: one token per digit
+        return pt.Sequence([pt.Digits(individual_digits=True), gpt2])
+    raise ConfigError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
+                      f"{sorted(['default', 'gpt2', *_DIGITS_THEN_GPT2])}")
+
+
+def _gguf_tokenizer(fields: dict, source: str):
+    """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` fields."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind, tokens = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.tokens")
+    if kind != "gpt2":
+        raise ConfigError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (only "
+                          "byte-level BPE, 'gpt2'); use the HF checkpoint with its tokenizer.json")
+    pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"), source)
+    if not tokens:
+        raise ConfigError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens")
+    vocab, alphabet = _byte_level_vocab(tokens), set(_bytes_to_unicode().values())
+    merges = [tuple(m.split(" ")) for m in fields.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoders.ByteLevel()
+    types = list(zip(tokens, fields.get("tokenizer.ggml.token_type") or []))
+    # 3 = CONTROL (special, matched whole), 4 = USER_DEFINED (matched whole, not special).
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in types if ty == 3 and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in types if ty == 4 and t in vocab])
+    return tok
+
+
+def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
+    """As transformers does: a token spelled outside the byte alphabet is respelled from its
+    UTF-8 bytes."""
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    return {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+            for i, t in enumerate(tokens)}
+
+
+def _gguf_tokenizer_meta(fields: dict) -> dict:
+    eos = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return {"bos_id": fields.get("tokenizer.ggml.bos_token_id"), "eos_ids": _unique_ids(eos),
+            "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            "chat_template": fields.get("tokenizer.chat_template")}
+
+
+def _unique_ids(ids: list) -> list[int]:
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_id(backend, token) -> int | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
+
+
+def _hf_tokenizer_meta(path: Path, backend) -> dict:
+    """bos/eos/add_bos/chat template from tokenizer_config, generation_config and config.json."""
+    tcfg, gen, model_cfg = (_read_json(path / f) for f in
+                            ("tokenizer_config.json", "generation_config.json", "config.json"))
+    bos_id = _token_id(backend, tcfg.get("bos_token"))
+    if bos_id is None:
+        bos_id = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
+    eos = (gen.get("eos_token_id"), model_cfg.get("eos_token_id"),
+           _token_id(backend, tcfg.get("eos_token")))
+    eos_ids = _unique_ids([i for v in eos for i in (v if isinstance(v, list) else [v])])
+    add_bos = tcfg.get("add_bos_token")
+    if add_bos is None:  # fast tokenizers add BOS in their post-processor instead
+        add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
+    return {"bos_id": bos_id, "eos_ids": eos_ids, "add_bos": bool(add_bos),
+            "chat_template": _hf_chat_template(path, tcfg)}
+
+
+def _hf_chat_template(path: Path, tcfg: dict) -> str | None:
+    template = tcfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    return template
