@@ -7,6 +7,7 @@ are not in it.  See :mod:`paged_decode.compile.cache` for where artifacts live.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -23,6 +24,7 @@ from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE
                                            key_digest)
 
 from .config import DTYPES, ModelConfig
+from .device_code import cuda_compile_callback, fatbin_packer
 from .kernels.registry import kernels_for
 from .model import BuildSpec, build_module
 from .params import param_specs
@@ -101,13 +103,28 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
     }
 
 
+def _export(ex, lib_path: Path, target: TargetSpec) -> None:
+    """export_library; for CUDA with the device code compiled by nvcc and embedded (a fatbin
+    for the target's arch), so the loading machine needs no CUDA compiler or NVRTC."""
+    if target.kind == "cuda":
+        ex.export_library(str(lib_path), fpack_imports=fatbin_packer(target.arch))
+    else:  # model.tar for metal / webgpu: host object + device module, linked on the target
+        ex.export_library(str(lib_path))
+
+
 def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir: Path) -> Path:
     """Build and export the library into ``out_dir``; returns its path."""
+    missing = target.missing_toolchain()
+    if missing:
+        raise CompileError(f"cannot build {spec.config.name} for {target.name or target.kind}: "
+                           f"{missing}")
     try:
         mod = build_module(spec, manifest, kernels_for(target.kind))
-        ex = relax.build(mod, target.target, exec_mode=EXEC_MODE)
+        with (cuda_compile_callback(target.arch) if target.kind == "cuda"
+              else contextlib.nullcontext()):
+            ex = relax.build(mod, target.target, exec_mode=EXEC_MODE)
         lib_path = out_dir / target.library_name
-        ex.export_library(str(lib_path))
+        _export(ex, lib_path, target)
     except (tvm.error.InternalError, RuntimeError, ValueError) as e:
         raise CompileError(f"TVM failed to build {spec.config.name} for {target.kind}: {e}") from e
     except OSError as e:  # export_library writes the .so (disk full, read-only root)

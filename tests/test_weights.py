@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from paged_decode.compile import weights
+from paged_decode.compile import tokenizer_export, weights
 from paged_decode.compile.params import param_specs
 from paged_decode.compile.tokenizer_export import export_tokenizer
 from paged_decode.compile.weights import resolve_model
@@ -249,7 +249,7 @@ def test_written_gguf_roundtrips_llama(llama_ckpt, tmp_path):
 ])
 def test_gguf_tokenizer_unsupported(fields, message):
     with pytest.raises(ConfigError, match=message):
-        weights._gguf_tokenizer(fields, "x.gguf")
+        tokenizer_export._gguf_tokenizer(fields, "x.gguf")
 
 
 def test_gguf_rope_scaling_rejected(llama_ckpt, tmp_path):

@@ -47,29 +47,31 @@ def block_threads(n: int) -> int:
 
 
 def block_reduce(NT: int, op: str, name: str):
-    """``dst[0] = op(src[0] of the NT threads)`` as a cross-thread reduction block.
+    """``dst[di] = op(src[si] of the NT threads)`` as a cross-thread reduction block.
 
     Call it as the only statement of its own ``for tx in T.thread_binding(NT, "threadIdx.x")``
     loop (TVM lowers a cross-thread reduction only when its thread loops are the innermost).
-    ``dst`` should be a shared buffer: every thread reads the result after the block.
+    ``dst`` should be a shared buffer: every thread reads the result after the block.  Give
+    every reduction of a kernel its own ``dst`` buffer: TVM silently leaves two reduction blocks
+    that write one buffer unlowered (each thread then updates ``dst`` in a race).
     """
     assert op in ("sum", "max"), op
 
     @T.macro
-    def reduce(tx, src, dst):
+    def reduce(tx, src, si, dst, di):
         with T.sblock(name):
             vtx = T.axis.reduce(NT, tx)
-            T.reads(src[0])
-            T.writes(dst[0])
+            T.reads(src[si])
+            T.writes(dst[di])
             with T.init():
                 if op == "sum":
-                    dst[0] = T.float32(0)
+                    dst[di] = T.float32(0)
                 else:
-                    dst[0] = T.min_value("float32")  # the identity TVM's max reducer expects
+                    dst[di] = T.min_value("float32")  # the identity TVM's max reducer expects
             if op == "sum":
-                dst[0] = dst[0] + src[0]
+                dst[di] = dst[di] + src[si]
             else:
-                dst[0] = T.max(dst[0], src[0])
+                dst[di] = T.max(dst[di], src[si])
 
     return reduce
 
@@ -124,12 +126,12 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
                             part[0] = part[0] + x[n - 1 if last_only else i, ho * NT + tx] * x[
                                 n - 1 if last_only else i, ho * NT + tx]
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    sum_sq(tx, part, tot)
+                    sum_sq(tx, part, 0, tot, 0)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ho in range(HO):
                         if ho * NT + tx < H:
-                            y[i, ho * NT + tx] = x[n - 1 if last_only else i, ho * NT + tx] * T.rsqrt(
-                                tot[0] / T.float32(H) + T.float32(eps)) * w[ho * NT + tx]
+                            y[i, ho * NT + tx] = x[n - 1 if last_only else i, ho * NT + tx] * (
+                                T.rsqrt(tot[0] / T.float32(H) + T.float32(eps)) * w[ho * NT + tx])
 
     suffix = "_last" if last_only else ""
     tag = "dec" if n_static == 1 else "pre"

@@ -1,0 +1,235 @@
+"""GPU paged attention and the RoPE + KV write, with the CPU kernels' signatures and layouts.
+
+Attention: one block per (query row, query head) with ``NT`` threads (``NT = D * PG``, 128 for
+head_dim 16 / 32 / 64 / 128).  The context is walked in chunks of ``NT`` positions (online
+softmax per chunk): thread t scores position ``c NT + t`` (q . k through the block table, q
+staged in shared memory), a block max and a block sum rescale the running max / sum, and for
+P.V thread t owns dimension ``t % D`` of position group ``t / D``, so a warp reads contiguous
+V rows.  The ``PG`` group accumulators are summed through shared memory at the end.
+
+RoPE + KV write: one block per head (q | k | v heads of the qkv row), one thread per rotated
+pair (d, d + D/2); prefill adds the token as a second grid dimension.
+
+Buffers (D = head_dim, n symbolic for prefill or 1 for decode):
+  attention: q (n, Hq D) float32, k_pool / v_pool (num_blocks, block_size, Hkv, D) cache dtype,
+             block_table (1, max_blocks_cap) int32, context_len | start_pos int64
+             -> out (n, Hq D) float32
+  rope_kv:   qkv (n, (Hq + 2 Hkv) D) float32, k_pool, v_pool (written in place),
+             inv_freq (D/2,) float32, block_table, write_off + context_len | start_pos
+             -> q_rot (n, Hq D) float32
+Scalar bounds (context_len, write_off, start_pos) are asserted on the host before the launch.
+Block-table entries are device data: an entry outside [0, num_blocks) is skipped (its positions
+get no attention weight, its K/V is not written) instead of raising; a decode ``write_off`` that
+does not match the table at ``context_len - 1`` writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .common import cached, dtype_tag
+from .gpu import block_reduce, finalize
+from .linear import token_dim
+
+NEG = -3.0e38  # the score of a masked position; exp(NEG - max) is 0
+
+
+def _attend_macro(Hq, Hkv, D, bs, nb):
+    G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+    PG = max(1, 128 // D)
+    NT = D * PG
+    block_max = block_reduce(NT, "max", "score_max")
+    block_sum = block_reduce(NT, "sum", "prob_sum")
+
+    @T.macro
+    def attend(q, k_pool, v_pool, bt, out, row, h, ctx, qs, ps, accs, mx, sm, st):
+        """out[row, h] = softmax(q k^T / sqrt(D)) V over positions [0, ctx) of the table.
+
+        st (local): running max, running sum, rescale, this thread's score, its accumulator."""
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            if tx < D:
+                qs[tx] = q[row, h * D + tx]
+            st[0] = T.float32(NEG)
+            st[1] = T.float32(0)
+            st[4] = T.float32(0)
+        for c in range((ctx + NT - 1) // NT):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                st[3] = T.float32(NEG)
+                if c * NT + tx < ctx:
+                    if 0 <= bt[0, (c * NT + tx) // bs] and T.Cast(
+                            "int64", bt[0, (c * NT + tx) // bs]) < nb:
+                        st[3] = T.float32(0)
+                        for d in range(D):
+                            st[3] = st[3] + qs[d] * T.Cast("float32", k_pool[
+                                T.Cast("int64", bt[0, (c * NT + tx) // bs]), (c * NT + tx) % bs,
+                                h // G, d])
+                        st[3] = st[3] * T.float32(scale)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                block_max(tx, st, 3, mx, 0)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                st[2] = T.exp(st[0] - T.max(st[0], mx[0]))
+                st[0] = T.max(st[0], mx[0])
+                st[3] = T.exp(st[3] - st[0])
+                ps[tx] = st[3]
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                block_sum(tx, st, 3, sm, 0)
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                st[1] = st[1] * st[2] + sm[0]
+                st[4] = st[4] * st[2]
+                for j in range(NT // PG):
+                    if c * NT + j * PG + tx // D < ctx:
+                        if 0 <= bt[0, (c * NT + j * PG + tx // D) // bs] and T.Cast(
+                                "int64", bt[0, (c * NT + j * PG + tx // D) // bs]) < nb:
+                            st[4] = st[4] + ps[j * PG + tx // D] * T.Cast("float32", v_pool[
+                                T.Cast("int64", bt[0, (c * NT + j * PG + tx // D) // bs]),
+                                (c * NT + j * PG + tx // D) % bs, h // G, tx % D])
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            accs[tx] = st[4]
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            if tx < D:
+                st[4] = T.float32(0)
+                for p in range(PG):
+                    st[4] = st[4] + accs[p * D + tx]
+                out[row, h * D + tx] = st[4] / st[1]
+
+    return attend, NT
+
+
+@cached
+def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """One query token per head against context_len cached positions."""
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), context_len: T.int64,
+             out: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
+            for h in T.thread_binding(Hq, thread="blockIdx.x"):
+                attend(q, k_pool, v_pool, bt, out, 0, h, context_len, qs, ps, accs, mx, sm, st)
+
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+    n = token_dim(None)
+
+    @T.prim_func(s_tir=True)
+    def func(var_q: T.handle, var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), start_pos: T.int64, var_out: T.handle):
+        q = T.match_buffer(var_q, (n, Hq * D), "float32")
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        out = T.match_buffer(var_out, (n, Hq * D), "float32")
+        with T.sblock("root"):
+            assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
+            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
+            for i in T.thread_binding(n, thread="blockIdx.y"):
+                for h in T.thread_binding(Hq, thread="blockIdx.x"):
+                    attend(q, k_pool, v_pool, bt, out, i, h, start_pos + i + 1, qs, ps, accs,
+                           mx, sm, st)
+
+    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+def _rope_macro(Hq, Hkv, D, cdt):
+    half = D // 2
+
+    @T.macro
+    def rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, pos, blk, slot, ok, hd, d):
+        """Head hd of token i: q heads rotate into q_rot, k heads rotate into the pool, v heads
+        copy; thread d handles the pair (d, d + half).  ``ok`` gates the pool writes."""
+        c = T.cos(T.Cast("float32", pos) * inv_freq[d])
+        s = T.sin(T.Cast("float32", pos) * inv_freq[d])
+        x0 = qkv[i, hd * D + d]
+        x1 = qkv[i, hd * D + d + half]
+        if hd < Hq:
+            q_rot[i, hd * D + d] = x0 * c - x1 * s
+            q_rot[i, hd * D + d + half] = x1 * c + x0 * s
+        elif hd < Hq + Hkv:
+            if ok:
+                k_pool[blk, slot, hd - Hq, d] = T.Cast(cdt, x0 * c - x1 * s)
+                k_pool[blk, slot, hd - Hq, d + half] = T.Cast(cdt, x1 * c + x0 * s)
+        elif ok:
+            v_pool[blk, slot, hd - Hq - Hkv, d] = T.Cast(cdt, x0)
+            v_pool[blk, slot, hd - Hq - Hkv, d + half] = T.Cast(cdt, x1)
+
+    return rope_write
+
+
+@cached
+def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """Decode variant: one token at the flattened offset ``write_off``."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs, H = (Hq + 2 * Hkv) * D, block_size, Hq + 2 * Hkv
+    nb = tirx.Var("num_blocks", "int64")
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             write_off: T.int64, context_len: T.int64, q_rot: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+            assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
+            for hd in T.thread_binding(H, thread="blockIdx.x"):
+                for d in T.thread_binding(D // 2, thread="threadIdx.x"):
+                    rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
+                               write_off // bs, write_off % bs,
+                               T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs
+                               + (context_len - 1) % bs == write_off, hd, d)
+
+    return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """Prefill variant: n tokens at positions start_pos + i, placed through the block table."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs, H = (Hq + 2 * Hkv) * D, block_size, Hq + 2 * Hkv
+    nb = tirx.Var("num_blocks", "int64")
+    n = token_dim(None)
+
+    @T.prim_func(s_tir=True)
+    def func(var_qkv: T.handle, var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             start_pos: T.int64, var_q: T.handle):
+        qkv = T.match_buffer(var_qkv, (n, QKV), "float32")
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        q_rot = T.match_buffer(var_q, (n, Hq * D), "float32")
+        with T.sblock("root"):
+            assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
+            for i in T.thread_binding(n, thread="blockIdx.y"):
+                for hd in T.thread_binding(H, thread="blockIdx.x"):
+                    for d in T.thread_binding(D // 2, thread="threadIdx.x"):
+                        rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, start_pos + i,
+                                   T.Cast("int64", bt[0, (start_pos + i) // bs]),
+                                   (start_pos + i) % bs,
+                                   0 <= bt[0, (start_pos + i) // bs]
+                                   and T.Cast("int64", bt[0, (start_pos + i) // bs]) < nb, hd, d)
+
+    return finalize(func, f"rope_kv_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

@@ -1,0 +1,203 @@
+"""GPU decode GEMV: ``y[c] = sum_k xn[k] * W[c, k]``, W in its stored ``[N, K]`` layout.
+
+One warp (32 lanes along ``threadIdx.x``) computes ``TN`` output rows; a block holds ``R``
+warps along ``threadIdx.y``.  Lane ``l`` reads ``VW`` consecutive weights at
+``(ko * 32 + l) * VW``, so a warp reads one contiguous run of the row per step (coalesced along
+K) and reuses each loaded slice of x for its ``TN`` rows.  The 32 lane partials of a row meet
+in a cross-thread reduction (warp shuffles on CUDA / Metal).  The optional RMSNorm is fused as
+on the CPU: the block's threads share the sum of squares of x (each reads K / (32 R) of it),
+and the scale is applied to the reduced dot product.
+
+Buffers and signatures are the CPU ones (``gemv.py``):
+  x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
+  SwiGLU: W (2I, K) gate rows then up rows -> act (1, I) = silu(gate) * up
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import cached, dtype_tag, pick_tile
+from .gpu import WARP, finalize
+
+R = 4  # warps per block
+MIN_BLOCKS = 264  # two blocks per SM of the largest GPU we target: more rows per warp only above
+
+
+def _rows_per_warp(rows: int) -> int:
+    """TN: 4 or 2 rows per warp when that still leaves enough blocks, else 1."""
+    for tn in (4, 2):
+        if rows % (R * tn) == 0 and rows // (R * tn) >= MIN_BLOCKS:
+            return tn
+    return 1
+
+
+def _macros(K: int, TN: int, NP: int, norm: bool):
+    """Macros over a warp's rows; ``NP`` partial sums per lane (TN, or 2 TN for SwiGLU)."""
+    VW = pick_tile(K, (4, 2, 1))
+    KO = K // (WARP * VW)  # full coalesced steps
+    K0 = KO * WARP * VW
+    KT = -(-(K - K0) // WARP)  # tail steps, one element per lane
+    NT = WARP * R
+    SQ = -(-K // NT)
+
+    @T.macro
+    def sum_squares(x, part, t):
+        """part[NP] = this thread's share of sum(x^2) (thread t of the block's NT)."""
+        part[NP] = T.float32(0)
+        if norm:
+            for j in range(SQ):
+                if j * NT + t < K:
+                    part[NP] = part[NP] + x[0, j * NT + t] * x[0, j * NT + t]
+
+    @T.macro
+    def dot_rows(x, g, W, part, xv, wv, p0, row0, tx):
+        """part[p0 + r] = this lane's share of sum_k x[k] (* g[k]) * W[row0 + r, k], r < TN."""
+        for r in range(TN):
+            part[p0 + r] = T.float32(0)
+        for ko in range(KO):
+            for v in T.vectorized(VW):
+                xv[v] = x[0, (ko * WARP + tx) * VW + v]
+            if norm:
+                for v in range(VW):
+                    xv[v] = xv[v] * g[(ko * WARP + tx) * VW + v]
+            for r in T.unroll(TN):
+                for v in T.vectorized(VW):
+                    wv[v] = W[row0 + r, (ko * WARP + tx) * VW + v]
+                for v in T.unroll(VW):
+                    part[p0 + r] = part[p0 + r] + xv[v] * T.Cast("float32", wv[v])
+        for kt in range(KT):
+            if K0 + kt * WARP + tx < K:
+                xv[0] = x[0, K0 + kt * WARP + tx]
+                if norm:
+                    xv[0] = xv[0] * g[K0 + kt * WARP + tx]
+                for r in T.unroll(TN):
+                    part[p0 + r] = part[p0 + r] + xv[0] * T.Cast(
+                        "float32", W[row0 + r, K0 + kt * WARP + tx])
+
+    @T.macro
+    def warp_sums(part, rs, p, ty, tx):
+        """rs[ty, p] = sum over the warp's lanes of part[p] (cross-thread reduction)."""
+        with T.sblock("warp_sum"):
+            vy = T.axis.spatial(R, ty)
+            vp = T.axis.spatial(NP + 1, p)
+            vtx = T.axis.reduce(WARP, tx)
+            T.reads(part[vp])
+            T.writes(rs[vy, vp])
+            with T.init():
+                rs[vy, vp] = T.float32(0)
+            rs[vy, vp] = rs[vy, vp] + part[vp]
+
+    @T.macro
+    def norm_scale(rs, st, eps):
+        """st[0] = rsqrt(mean(x^2) + eps) from the R warps' partial sums, or 1 without a norm."""
+        st[0] = T.float32(0)
+        for w in range(R):
+            st[0] = st[0] + rs[w, NP]
+        st[0] = T.rsqrt(st[0] / T.float32(K) + T.float32(eps)) if norm else T.float32(1)
+
+    return VW, sum_squares, dot_rows, warp_sums, norm_scale
+
+
+@cached
+def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None):
+    """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
+    norm = norm_eps is not None
+    TN = _rows_per_warp(N)
+    assert N % TN == 0
+    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, TN, norm)
+    BLOCKS = -(-N // (R * TN))
+
+    @T.macro
+    def body(x, g, W, y, bias, res):
+        part = T.sblock_alloc_buffer((TN + 1,), "float32", scope="local")
+        xv = T.sblock_alloc_buffer((VW,), "float32", scope="local")
+        wv = T.sblock_alloc_buffer((VW,), wdt, scope="local")
+        st = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        rs = T.sblock_alloc_buffer((R, TN + 1), "float32", scope="shared")
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for ty in T.thread_binding(R, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    sum_squares(x, part, ty * WARP + tx)
+                    if (bx * R + ty) * TN < N:
+                        dot_rows(x, g, W, part, xv, wv, 0, (bx * R + ty) * TN, tx)
+            for p in range(TN + 1 if norm else TN):
+                for ty in T.thread_binding(R, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        warp_sums(part, rs, p, ty, tx)
+            for ty in T.thread_binding(R, thread="threadIdx.y"):
+                for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                    norm_scale(rs, st, norm_eps or 0.0)
+                    if tx < TN and (bx * R + ty) * TN + tx < N:
+                        if epilogue == "bias":
+                            y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0] + bias[
+                                (bx * R + ty) * TN + tx]
+                        elif epilogue == "residual":
+                            y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0] + res[
+                                0, (bx * R + ty) * TN + tx]
+                        else:
+                            y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0]
+
+    x_ty, y_ty = T.Buffer((1, K), "float32"), T.Buffer((1, N), "float32")
+    if norm and epilogue == "bias":
+        @T.prim_func(s_tir=True)
+        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt),
+                 bias: T.Buffer((N,), "float32"), y: y_ty):
+            with T.sblock("root"):
+                body(x, g, W, y, bias, None)
+    elif norm:
+        @T.prim_func(s_tir=True)
+        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt), y: y_ty):
+            with T.sblock("root"):
+                body(x, g, W, y, None, None)
+    elif epilogue == "residual":
+        @T.prim_func(s_tir=True)
+        def func(x: x_ty, W: T.Buffer((N, K), wdt), res: T.Buffer((1, N), "float32"), y: y_ty):
+            with T.sblock("root"):
+                body(x, None, W, y, None, res)
+    else:
+        assert epilogue == "none", epilogue
+        @T.prim_func(s_tir=True)
+        def func(x: x_ty, W: T.Buffer((N, K), wdt), y: y_ty):
+            with T.sblock("root"):
+                body(x, None, W, y, None, None)
+    tag = "_norm" if norm else ""
+    return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
+
+
+@cached
+def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
+    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
+    TN = _rows_per_warp(I)
+    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True)
+    BLOCKS = -(-I // (R * TN))
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
+             W: T.Buffer((2 * I, K), wdt), act: T.Buffer((1, I), "float32")):
+        with T.sblock("root"):
+            part = T.sblock_alloc_buffer((2 * TN + 1,), "float32", scope="local")
+            xv = T.sblock_alloc_buffer((VW,), "float32", scope="local")
+            wv = T.sblock_alloc_buffer((VW,), wdt, scope="local")
+            st = T.sblock_alloc_buffer((1,), "float32", scope="local")
+            rs = T.sblock_alloc_buffer((R, 2 * TN + 1), "float32", scope="shared")
+            for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+                for ty in T.thread_binding(R, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        sum_squares(x, part, ty * WARP + tx)
+                        if (bx * R + ty) * TN < I:
+                            dot_rows(x, g, W, part, xv, wv, 0, (bx * R + ty) * TN, tx)
+                            dot_rows(x, g, W, part, xv, wv, TN, I + (bx * R + ty) * TN, tx)
+                for p in range(2 * TN + 1):
+                    for ty in T.thread_binding(R, thread="threadIdx.y"):
+                        for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                            warp_sums(part, rs, p, ty, tx)
+                for ty in T.thread_binding(R, thread="threadIdx.y"):
+                    for tx in T.thread_binding(WARP, thread="threadIdx.x"):
+                        norm_scale(rs, st, norm_eps)
+                        if tx < TN and (bx * R + ty) * TN + tx < I:
+                            act[0, (bx * R + ty) * TN + tx] = (
+                                rs[ty, tx] * st[0] / (T.float32(1) + T.exp(-rs[ty, tx] * st[0]))
+                                * rs[ty, TN + tx] * st[0])
+
+    return finalize(func, f"gemv_swiglu_{I}x{K}_{dtype_tag(wdt)}")

@@ -1,0 +1,347 @@
+"""The cross-target artifact matrix: target x {decode, prefill} x cache dtype on the tiny preset.
+
+Building runs wherever the compiler can (every target but vulkan with the PyPI TVM wheel; cuda
+needs nvcc, no GPU).  Each (target, cache dtype) artifact is built once per session and holds
+both functions.  Running needs the target's device: GPU runs are ``@pytest.mark.gpu`` and skip
+with a reason where the device is missing; they compare prefill / decode logits and greedy
+tokens with the llvm artifact (tolerances from conftest's LOGIT_TOL).
+"""
+
+from __future__ import annotations
+
+import struct
+import tarfile
+
+import numpy as np
+import pytest
+import tvm
+
+from paged_decode.compile.api import key_of
+from paged_decode.compile.device_code import device_modules
+from paged_decode.compile.targets import KINDS, resolve_target
+from paged_decode.runtime.errors import CompileError, ConfigError
+
+from .conftest import LOGIT_TOL
+
+OPTS = dict(block_size=8, max_context=256)  # decode crosses blocks and a 128-position chunk
+PROMPT = [int(t) for t in np.random.default_rng(3).integers(2, 256, size=140)]
+SPLIT = 100  # prefill in two calls: positions 0..99, then 100..139 (start_pos > 0)
+STEPS = 6
+DTYPES = ("float32", "float16")
+FUNCS = ("decode", "prefill")
+
+_DEVICES = {  # target -> (device factory, why it cannot run here when absent)
+    "cuda": (lambda: tvm.cuda(0), "no CUDA GPU (tvm.cuda(0).exist is False)"),
+    "metal": (lambda: tvm.metal(0), "no Metal GPU (runs on Apple silicon macOS)"),
+    "opencl": (lambda: tvm.opencl(0), "no OpenCL device, or a TVM runtime without OpenCL "
+                                      "(the PyPI wheel has none)"),
+    "vulkan": (lambda: tvm.vulkan(0), "no Vulkan device / TVM runtime without Vulkan"),
+}
+_NO_WEBGPU = "WebGPU artifacts run in a browser through tvmjs, not in this Python runtime"
+
+
+def _build_marks(kind: str) -> list:
+    missing = resolve_target(kind).missing_toolchain()
+    if kind == "vulkan" and missing:
+        return [pytest.mark.xfail(strict=True, raises=CompileError, reason=missing)]
+    return []
+
+
+def _matrix(run: bool):
+    for kind in KINDS:
+        marks = _build_marks(kind) + ([pytest.mark.gpu] if run and kind != "llvm" else [])
+        for cdt in DTYPES:
+            for func in FUNCS:
+                yield pytest.param(kind, cdt, func, marks=marks, id=f"{kind}-{cdt}-{func}")
+
+
+@pytest.fixture(scope="session")
+def artifact(build):
+    """artifact(target, cache_dtype) -> Prepared, built once per session (a CompileError too:
+    the vulkan build fails the same way for both of its functions)."""
+    done: dict = {}
+
+    def _get(kind: str, cdt: str):
+        if (kind, cdt) not in done:
+            missing = resolve_target(kind).missing_toolchain()
+            if missing and kind != "vulkan":
+                pytest.skip(f"cannot build {kind} here: {missing}")
+            try:
+                done[kind, cdt] = build("tiny", target=kind, cache_dtype=cdt, **OPTS)
+            except CompileError as e:
+                done[kind, cdt] = e
+        if isinstance(done[kind, cdt], Exception):
+            raise done[kind, cdt]
+        return done[kind, cdt]
+
+    return _get
+
+
+def _library_bytes(prepared) -> bytes:
+    """What the library carries: a .so file (its packed imports are plain bytes in it), or every
+    member of a .tar."""
+    lib = prepared.artifact_dir / prepared.manifest["library"]
+    if lib.suffix == ".so":
+        return lib.read_bytes()
+    with tarfile.open(lib) as tar:
+        return b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+
+
+def _vm_name(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()  # a length-prefixed string in the blob
+
+
+@pytest.mark.parametrize("kind,cdt,func", list(_matrix(run=False)))
+def test_build(artifact, kind, cdt, func):
+    """The artifact exists, holds ``func`` in its VM executable and that function's attention
+    kernel in its device code (CUDA: inside the fatbin's function table)."""
+    prepared = artifact(kind, cdt)
+    m = prepared.manifest
+    assert m["target_kind"] == kind and m["cache_dtype"] == cdt
+    assert m["library"] == resolve_target(kind).library_name and m["link_note"]
+    blob = _library_bytes(prepared)
+    assert _vm_name(func) in blob
+    attn = {"decode": "attn_dec", "prefill": "attn_pre"}[func]
+    prefix = "" if kind == "llvm" else "gpu_"
+    assert f"{prefix}{attn}_q4kv2d16_bs8_cap32_{cdt[0]}{cdt[-2:]}".encode() in blob
+
+
+@pytest.mark.parametrize("cdt", DTYPES)
+def test_cuda_artifact_embeds_an_nvcc_fatbin(artifact, cdt):
+    """The CUDA library carries compiled sm_90 code (no CUDA source left for NVRTC / nvcc at
+    load time), read back out of the exported .so."""
+    mods = device_modules(artifact("cuda", cdt).artifact_dir / "model.so")
+    cuda = [m for m in mods if m["kind"] == "cuda"]
+    assert len(cuda) == 1, mods
+    assert cuda[0]["fmt"] == "fatbin" and cuda[0]["fatbin"] and not cuda[0]["source"]
+    assert cuda[0]["archs"] == ["sm_90"] and cuda[0]["code_bytes"] > 1000
+
+
+def test_cuda_arch_enters_key_and_fatbin(build):
+    if resolve_target("cuda").missing_toolchain():
+        pytest.skip(resolve_target("cuda").missing_toolchain())
+    keys = {a: key_of("tiny", target=f"cuda:{a}", **OPTS) for a in ("sm_80", "sm_90")}
+    assert keys["sm_80"]["digest"] != keys["sm_90"]["digest"]
+    assert '"arch":"sm_80"' in keys["sm_80"]["key"]["target"]
+    prepared = build("tiny", target="cuda:sm_80", **OPTS)
+    (cuda,) = [m for m in device_modules(prepared.artifact_dir / "model.so") if m["kind"] == "cuda"]
+    assert cuda["archs"] == ["sm_80"] and cuda["fatbin"]
+
+
+def test_target_names():
+    assert resolve_target("cuda").arch == "sm_90" and resolve_target("cuda:sm_80").arch == "sm_80"
+    for kind in ("metal", "webgpu"):
+        assert resolve_target(kind).library_name == "model.tar"
+    assert str(resolve_target("metal").target.host.attrs["mtriple"]) == "arm64-apple-macos"
+    assert str(resolve_target("webgpu").target.host.attrs["mtriple"]).startswith("wasm32")
+    for bad in ("cuda:sm90", "cuda:80", "metal:m2", "rocm", "vulkan:1"):
+        with pytest.raises(ConfigError):
+            resolve_target(bad)
+
+
+def test_vulkan_without_spirv_codegen_is_a_typed_error():
+    missing = resolve_target("vulkan").missing_toolchain()
+    if missing is None:
+        pytest.skip("this TVM has SPIR-V codegen")
+    assert "target.build.vulkan" in missing and "USE_VULKAN" in missing
+
+
+# -- running --------------------------------------------------------------------------------------
+def _device(kind: str):
+    if kind == "llvm":
+        return tvm.cpu()
+    if kind == "webgpu":
+        pytest.skip(_NO_WEBGPU)
+    make, why = _DEVICES[kind]
+    try:
+        dev = make()
+        if dev.exist:
+            return dev
+    except Exception:  # a runtime without this device API raises instead of saying False
+        pass
+    pytest.skip(why)
+
+
+def _run(prepared, device) -> dict:
+    """Prefill PROMPT (two calls), then STEPS greedy decode steps; logits of every call."""
+    from paged_decode.runtime.artifact import load_artifact, load_weights
+    from paged_decode.runtime.kv_pool import PagedKVCache
+    from paged_decode.runtime.session import PagedDecodeSession
+
+    artifact = load_artifact(prepared.artifact_dir, device)
+    weights = load_weights(prepared.weights_dir, artifact)
+    m = artifact.manifest
+    pool = PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
+                        m["cache_dtype"], num_blocks=40, device=device)
+    session = PagedDecodeSession(artifact, weights, pool)
+    seq = pool.new_sequence()
+    prefill = [session.prefill(seq, PROMPT[:SPLIT]), session.prefill(seq, PROMPT[SPLIT:])]
+    tokens, decode = [], []
+    for _ in range(STEPS):
+        tokens.append(int(np.argmax(prefill[-1] if not decode else decode[-1])))
+        decode.append(session.realize_token(seq, tokens[-1]))
+    replay = session.prefill(pool.new_sequence(), PROMPT + tokens)  # one prefill, same context
+    return {"prefill": np.stack(prefill), "decode": np.stack(decode), "tokens": tokens,
+            "replay": replay}
+
+
+@pytest.fixture(scope="session")
+def outputs(artifact):
+    done: dict = {}
+
+    def _get(kind: str, cdt: str, device):
+        if (kind, cdt) not in done:
+            done[kind, cdt] = _run(artifact(kind, cdt), device)
+        return done[kind, cdt]
+
+    return _get
+
+
+@pytest.mark.parametrize("kind,cdt,func", list(_matrix(run=True)))
+def test_run_matches_llvm(outputs, kind, cdt, func):
+    """On the target's device: the last decode step equals one prefill over the same tokens,
+    and the logits of ``func`` (and the greedy tokens) equal the llvm artifact's."""
+    device = _device(kind)
+    got, ref = outputs(kind, cdt, device), outputs("llvm", cdt, tvm.cpu())
+    assert np.isfinite(got[func]).all()
+    np.testing.assert_allclose(got["replay"], got["decode"][-1], atol=LOGIT_TOL[cdt], rtol=0)
+    np.testing.assert_allclose(got[func], ref[func], atol=LOGIT_TOL[cdt], rtol=0)
+    if func == "decode":
+        assert got["tokens"] == ref["tokens"]
+
+
+# -- the GPU kernels, numerically, on any OpenCL device (pocl runs them on the CPU) ------------
+# TVM's OpenCL codegen of the same thread-bound TIR the CUDA build uses (its block reductions
+# take the shared-memory path instead of warp shuffles); launched through pyopencl, since the
+# PyPI TVM runtime has no OpenCL.  float32 only: pocl's CPU device has no cl_khr_fp16.
+def _opencl_queue():
+    cl = pytest.importorskip("pyopencl", reason="pyopencl (and an OpenCL ICD such as pocl) "
+                                                 "runs the GPU kernels on a CPU")
+    try:
+        ctx = cl.Context(cl.get_platforms()[0].get_devices())
+    except Exception as e:  # no ICD / no platform
+        pytest.skip(f"no OpenCL device: {e}")
+    return cl, ctx, cl.CommandQueue(ctx)
+
+
+def _launch(func, arrays: dict, scalars: dict, grid, block) -> dict:
+    """Compile ``func`` for opencl, run it once, return every array argument after the call."""
+    import re
+
+    cl, ctx, queue = _opencl_queue()
+    lib = tvm.compile(func, target=tvm.target.Target({"kind": "opencl"}, host={"kind": "llvm"}))
+    src = lib.mod.imports[0].inspect_source("")
+    name, sig = re.search(r"__kernel void (\w+)\(([^)]*)\)", src).groups()
+    kernel = getattr(cl.Program(ctx, src).build(), name)
+    bufs, args = {}, []
+    for param in (p.split()[-1] for p in sig.split(",")):
+        key = param.removesuffix("_ptr")
+        if key in arrays:
+            bufs[key] = cl.Buffer(ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                  hostbuf=np.ascontiguousarray(arrays[key]))
+            args.append(bufs[key])
+        else:
+            args.append(np.int64(scalars[key]))
+    kernel(queue, tuple(g * b for g, b in zip(grid, block)), tuple(block), *args)
+    out = {k: np.empty_like(arrays[k]) for k in bufs}
+    for k, b in bufs.items():
+        cl.enqueue_copy(queue, out[k], b)
+    queue.finish()
+    return out
+
+
+def _ref_attention(q, k_pool, v_pool, table, ctx, bs):
+    """q (Hq, D) against positions [0, ctx) through the block table, float64."""
+    hq, d = q.shape
+    pos = np.arange(ctx)
+    k, v = (p[table[pos // bs], pos % bs].astype(np.float64) for p in (k_pool, v_pool))
+    g = hq // k.shape[1]
+    out = np.empty((hq, d))
+    for h in range(hq):
+        s = k[:, h // g] @ q[h] / np.sqrt(d)
+        p = np.exp(s - s.max())
+        out[h] = p / p.sum() @ v[:, h // g]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("ctx", [1, 127, 128, 129, 320])
+def test_gpu_paged_attention_decode_on_opencl(ctx):
+    """Online softmax over several 128-position chunks, GQA 9/3, head_dim 64, permuted table."""
+    from paged_decode.compile.kernels.gpu_attention import paged_attention_decode
+
+    hq, hkv, d, bs, cap, nb = 9, 3, 64, 16, 20, 25
+    rng = np.random.default_rng(ctx)
+    k, v = (rng.standard_normal((nb, bs, hkv, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(nb)[:cap].astype(np.int32)[None]
+    q = rng.standard_normal((1, hq * d)).astype(np.float32)
+    out = _launch(paged_attention_decode(hq, hkv, d, bs, cap, "float32"),
+                  dict(q=q, k_pool=k, v_pool=v, bt=table, out=np.zeros_like(q)),
+                  dict(context_len=ctx, num_blocks=nb), (hq, 1, 1), (128, 1, 1))["out"]
+    np.testing.assert_allclose(out[0], _ref_attention(q[0].reshape(hq, d), k, v, table[0], ctx,
+                                                      bs), atol=1e-4, rtol=0)
+
+
+def test_gpu_prefill_attention_and_rope_on_opencl():
+    from paged_decode.compile.kernels.gpu_attention import (paged_attention_prefill,
+                                                            rope_kv_write_prefill)
+
+    hq, hkv, d, bs, cap, nb, n, start = 4, 2, 16, 4, 6, 11, 9, 3
+    rng = np.random.default_rng(5)
+    k, v = (rng.standard_normal((nb, bs, hkv, d)).astype(np.float32) for _ in range(2))
+    table = rng.permutation(nb)[:cap].astype(np.int32)[None]
+    qkv = rng.standard_normal((n, (hq + 2 * hkv) * d)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    r = _launch(rope_kv_write_prefill(hq, hkv, d, bs, cap, "float32"),
+                dict(qkv=qkv, k_pool=k, v_pool=v, inv_freq=inv_freq, bt=table,
+                     q_rot=np.zeros((n, hq * d), np.float32)),
+                dict(start_pos=start, num_blocks=nb, n=n), (hq + 2 * hkv, n, 1), (d // 2, 1, 1))
+    pos = start + np.arange(n)
+    ang = pos[:, None] * inv_freq[None].astype(np.float64)  # (n, d/2)
+    x = qkv[:, hq * d:(hq + hkv) * d].reshape(n, hkv, d).astype(np.float64)
+    x0, x1, c, s = x[..., :d // 2], x[..., d // 2:], np.cos(ang)[:, None], np.sin(ang)[:, None]
+    rot = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], -1)
+    blk, slot = table[0, pos // bs], pos % bs
+    np.testing.assert_allclose(r["k_pool"][blk, slot], rot, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(r["v_pool"][blk, slot],
+                                  qkv[:, (hq + hkv) * d:].reshape(n, hkv, d))
+    out = _launch(paged_attention_prefill(hq, hkv, d, bs, cap, "float32"),
+                  dict(q=r["q_rot"], k_pool=r["k_pool"], v_pool=r["v_pool"], bt=table,
+                       out=np.zeros((n, hq * d), np.float32)),
+                  dict(start_pos=start, num_blocks=nb, n=n), (hq, n, 1), (128, 1, 1))["out"]
+    for i in range(n):
+        ref = _ref_attention(r["q_rot"][i].reshape(hq, d), r["k_pool"], r["v_pool"], table[0],
+                             start + i + 1, bs)
+        np.testing.assert_allclose(out[i], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("N,K", [(40, 72), (8448, 576)])  # 1 and 4 rows per warp
+def test_gpu_norm_gemv_on_opencl(N, K):
+    from paged_decode.compile.kernels import gpu_gemv
+
+    rng = np.random.default_rng(N)
+    x, g = rng.standard_normal((1, K)).astype(np.float32), rng.standard_normal(K).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    bias = rng.standard_normal(N).astype(np.float32)
+    xn = x / np.sqrt((x.astype(np.float64) ** 2).mean() + 1e-5) * g
+    rows = gpu_gemv.R * gpu_gemv._rows_per_warp(N)
+    y = _launch(gpu_gemv.gemv(N, K, "float32", "bias", 1e-5),
+                dict(x=x, g=g, W=w, bias=bias, y=np.zeros((1, N), np.float32)), {},
+                (-(-N // rows), 1, 1), (32, gpu_gemv.R, 1))["y"]
+    np.testing.assert_allclose(y, xn @ w.astype(np.float64).T + bias, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 33])
+def test_gpu_tiled_linear_on_opencl(n):
+    from paged_decode.compile.kernels import gpu_linear
+
+    N, K = 72, 40  # neither a multiple of the 64-column tile nor of the 16-wide k step
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    res = rng.standard_normal((n, N)).astype(np.float32)
+    y = _launch(gpu_linear.linear(N, K, "float32", "residual"),
+                dict(x=x, W=w, res=res, y=np.zeros((n, N), np.float32)), dict(n=n),
+                (-(-N // gpu_linear.BN), -(-n // gpu_linear.BM), 1),
+                (gpu_linear.TX, gpu_linear.TY, 1))["y"]
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T + res, atol=1e-4,
+                               rtol=1e-5)
