@@ -44,16 +44,16 @@ def measure_bandwidth(mb: int, repeats: int = 7) -> float:
     import tvm
 
     from .kernels.common import VL
-    from .kernels.stream import CHUNK, stream_read
+    from .kernels.stream import CHUNKS, ROW, stream_read
     from .targets import resolve_target
 
-    n_chunks = mb * (1 << 20) // (4 * CHUNK)
-    fn = tvm.compile(stream_read(n_chunks), target=resolve_target(None).target)[
-        f"stream_read_{n_chunks}"]
-    src = tvm.runtime.tensor(np.ones((n_chunks, CHUNK), np.float32))
-    dst = tvm.runtime.tensor(np.zeros((n_chunks, VL), np.float32))
+    n_rows = mb * (1 << 20) // (4 * ROW * CHUNKS)
+    fn = tvm.compile(stream_read(n_rows), target=resolve_target(None).target)[
+        f"stream_read_{n_rows}"]
+    src = tvm.runtime.tensor(np.ones((CHUNKS, n_rows, ROW), np.float32))
+    dst = tvm.runtime.tensor(np.zeros((CHUNKS, VL), np.float32))
     ms = _median_ms(lambda: fn(src, dst), repeats, warmup=2)
-    return n_chunks * CHUNK * 4 / (ms / 1e3) / 1e9
+    return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
 
 
 def bytes_per_token(m: dict, weights, ctx: int) -> int:
@@ -225,10 +225,8 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     say = progress or (lambda _m: None)
     cfg = QUICK if quick else FULL
     out_dir.mkdir(parents=True, exist_ok=True)
-    say(f"read bandwidth over {cfg['bw_mb']} MiB")
-    bw = measure_bandwidth(cfg["bw_mb"])
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "bandwidth_gbps": bw, "threads": os.environ.get("TVM_NUM_THREADS")},
+                          "threads": os.environ.get("TVM_NUM_THREADS")},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
               "runs": []}
     with tempfile.TemporaryDirectory() as work:
@@ -237,8 +235,12 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                 say(f"{model} {dtype}")
                 ours = _ours(model, dtype, cfg, artifacts, say)
                 ours.pop("_params")
+                # the shared machine's bandwidth drifts: measure it next to each run
+                say(f"  read bandwidth over {cfg['bw_mb']} MiB")
+                bw = measure_bandwidth(cfg["bw_mb"])
                 floor = {c: b / (bw * 1e9) * 1e3 for c, b in ours["bytes_per_token"].items()}
-                run = {"model": model, "dtype": dtype, "ours": ours, "floor_ms": floor,
+                run = {"model": model, "dtype": dtype, "bandwidth_gbps": bw, "ours": ours,
+                       "floor_ms": floor,
                        "baselines": _baselines(model, dtype, cfg, say, Path(work))}
                 report["runs"].append(run)
     from .bench_report import write_outputs

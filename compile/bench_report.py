@@ -29,8 +29,9 @@ def _engine_rows(run: dict, contexts) -> list[str]:
 
 def markdown(report: dict) -> str:
     contexts = report["settings"]["contexts"]
-    bw = report["machine"]["bandwidth_gbps"]
-    lines = [f"Read bandwidth: {bw:.1f} GB/s ({report['machine']['cpu_count']} cores).", "",
+    bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f}" for r in report["runs"])
+    lines = [f"Read bandwidth (GB/s, measured next to each run, {report['machine']['cpu_count']} "
+             f"cores): {bws}.", "",
              "ms/token at context (fraction of the bandwidth floor); prefill tokens/s by prompt "
              "length.", "",
              "| model | dtype | engine | " + " | ".join(f"ctx {c}" for c in contexts)

@@ -1,7 +1,8 @@
 """A streaming-read kernel: the machine's read bandwidth, the floor decode cannot beat.
 
-Buffers: src (n_chunks, CHUNK) float32 -> partial (n_chunks, VL) float32 (a sum per chunk,
-so the reads cannot be optimised away).  Chunks are spread over all cores like the GEMV rows.
+Buffers: src (CHUNKS, n_rows, ROW) float32 -> partial (CHUNKS, VL) float32 (a sum per chunk, so
+the reads cannot be optimised away).  Each parallel chunk is one long contiguous region read
+front to back with ``KU`` independent accumulators, the access pattern of the decode GEMVs.
 """
 
 from __future__ import annotations
@@ -10,24 +11,27 @@ from tvm.script import tirx as T
 
 from .common import VL, finalize
 
-CHUNK = 4096  # floats per chunk (16 KiB)
+ROW = 4096  # floats per row (16 KiB)
+CHUNKS = 16  # contiguous regions, spread over the cores
+KU = 4
 
 
-def stream_read(n_chunks: int):
-    """Sum every float of a (n_chunks, CHUNK) buffer, VL lanes at a time, chunks in parallel."""
+def stream_read(n_rows: int):
+    """Sum every float of a (CHUNKS, n_rows, ROW) buffer, chunks in parallel."""
 
     @T.prim_func(s_tir=True)
-    def func(src: T.Buffer((n_chunks, CHUNK), "float32"),
-             partial: T.Buffer((n_chunks, VL), "float32")):
+    def func(src: T.Buffer((CHUNKS, n_rows, ROW), "float32"),
+             partial: T.Buffer((CHUNKS, VL), "float32")):
         with T.sblock("root"):
-            for c in T.parallel(n_chunks):
-                acc = T.decl_buffer((VL,), "float32", scope="local")
+            for c in T.parallel(CHUNKS):
+                acc = T.decl_buffer((KU, VL), "float32", scope="local")
+                for u, v in T.grid(KU, VL):
+                    acc[u, v] = T.float32(0)
+                for r, ko in T.grid(n_rows, ROW // (VL * KU)):
+                    for u in T.unroll(KU):
+                        for v in T.vectorized(VL):
+                            acc[u, v] = acc[u, v] + src[c, r, (ko * KU + u) * VL + v]
                 for v in T.vectorized(VL):
-                    acc[v] = T.float32(0)
-                for ko in range(CHUNK // VL):
-                    for v in T.vectorized(VL):
-                        acc[v] = acc[v] + src[c, ko * VL + v]
-                for v in T.vectorized(VL):
-                    partial[c, v] = acc[v]
+                    partial[c, v] = acc[0, v] + acc[1, v] + acc[2, v] + acc[3, v]
 
-    return finalize(func, f"stream_read_{n_chunks}")
+    return finalize(func, f"stream_read_{n_rows}")
