@@ -19,6 +19,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from paged_decode.runtime.artifact import sha256_file
 from paged_decode.runtime.errors import CompileError, ConfigError
 from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION,
                                            key_digest)
@@ -152,14 +153,6 @@ def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir
         raise CompileError(f"could not write the library into {out_dir} ({e}); free disk space "
                            "or choose another --artifacts root") from e
     return lib_path
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path) -> dict:
