@@ -28,8 +28,16 @@ FULL = dict(contexts=(16, 256, 1024), n_tokens=64, prompts=(128, 512), bw_mb=512
 QUICK = dict(contexts=(16, 64), n_tokens=8, prompts=(16, 32), bw_mb=64, replan=4)
 
 
-def _median_ms(fn, n: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
+MAX_WARMUP = 48  # calls; each decode warm-up call grows the sequence by a token
+
+
+def _median_ms(fn, n: int, warmup: int = 3, warmup_s: float = 1.0) -> float:
+    """Median ms of ``n`` calls after ``warmup`` calls, continued up to ``warmup_s`` seconds or
+    MAX_WARMUP calls (a large model's first tokens after loading run slower)."""
+    t_end = time.perf_counter() + warmup_s
+    for i in range(MAX_WARMUP):
+        if i >= warmup and time.perf_counter() >= t_end:
+            break
         fn()
     times = []
     for _ in range(n):
@@ -98,7 +106,7 @@ class _Ours:
         if scattered:  # interleave a filler sequence so our blocks are non-contiguous
             filler = pool.new_sequence()
         handle = pool.new_sequence()
-        for _ in range(-(-(ctx + n_tokens + 4) // self.m["block_size"])):
+        for _ in range(-(-(ctx + n_tokens + MAX_WARMUP + 4) // self.m["block_size"])):
             if scattered:
                 filler.reserve(self.m["block_size"])
                 filler.advance(self.m["block_size"])
@@ -146,7 +154,7 @@ class _Ours:
 
 
 def _ours(model: str, dtype: str, cfg: dict, artifacts, say) -> dict:
-    max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 16
+    max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + MAX_WARMUP + 16
     prepared = prepare(model, block_size=16, max_context=max_ctx, cache_dtype=dtype,
                        weight_dtype=dtype, artifacts=artifacts)
     ours = _Ours(prepared)
