@@ -1,0 +1,49 @@
+"""A deploy box needs the TVM runtime, numpy and the artifact: runtime/ never imports compile/."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import paged_decode.runtime as runtime_pkg
+
+RUNTIME_DIR = Path(runtime_pkg.__path__[0])
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add(("." * node.level) + (node.module or ""))
+    return names
+
+
+def test_no_runtime_module_imports_compile():
+    offenders = {p.name: sorted(n for n in _imports(p) if "compile" in n)
+                 for p in RUNTIME_DIR.glob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_decode_from_an_artifact_loads_nothing_of_compile(build):
+    """Load, decode and generate in a fresh interpreter; then list what got imported."""
+    prepared = build("tiny", block_size=4, max_context=64)
+    script = f"""
+import json, sys
+from paged_decode.runtime.engine import Engine
+engine = Engine.load({str(prepared.artifact_dir)!r}, {str(prepared.weights_dir)!r})
+tokens = engine.generator.generate([1, 2, 3], 5)
+print(json.dumps({{"tokens": tokens,
+                  "compile": sorted(m for m in sys.modules if m.startswith("paged_decode.compile")),
+                  "transformers": "transformers" in sys.modules}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert len(result["tokens"]) == 5
+    # (torch may load: tvm_ffi imports it for DLPack interop when it is installed)
+    assert result["compile"] == [] and result["transformers"] is False
