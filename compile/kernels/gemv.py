@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .fastmath import fexp
 from .common import VL, cached, dtype_tag, finalize, tree_sum_macro
+from .fastmath import fexp
+from .signatures import gemv_func
 
 MAX_CHUNKS = 64
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
@@ -114,29 +115,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
                     else:
                         y[0, c * per + t] = acc[0, 0] * st[0]
 
-    x_ty, y_ty = T.Buffer((1, K), "float32"), T.Buffer((1, N), "float32")
-    if norm and epilogue == "bias":
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt),
-                 bias: T.Buffer((N,), "float32"), y: y_ty):
-            with T.sblock("root"):
-                body(x, g, W, y, bias, None)
-    elif norm:
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt), y: y_ty):
-            with T.sblock("root"):
-                body(x, g, W, y, None, None)
-    elif epilogue == "residual":
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, W: T.Buffer((N, K), wdt), res: T.Buffer((1, N), "float32"), y: y_ty):
-            with T.sblock("root"):
-                body(x, None, W, y, None, res)
-    else:
-        assert epilogue == "none", epilogue
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, W: T.Buffer((N, K), wdt), y: y_ty):
-            with T.sblock("root"):
-                body(x, None, W, y, None, None)
+    func = gemv_func(body, N, K, wdt, epilogue, norm)
     tag = "_norm" if norm else ""
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 

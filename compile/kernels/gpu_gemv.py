@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 
 from .common import cached, dtype_tag, pick_tile
 from .gpu import WARP, finalize
+from .signatures import gemv_func
 
 R = 4  # warps per block
 MIN_BLOCKS = 264  # two blocks per SM of the largest GPU we target: more rows per warp only above
@@ -138,29 +139,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
                         else:
                             y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0]
 
-    x_ty, y_ty = T.Buffer((1, K), "float32"), T.Buffer((1, N), "float32")
-    if norm and epilogue == "bias":
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt),
-                 bias: T.Buffer((N,), "float32"), y: y_ty):
-            with T.sblock("root"):
-                body(x, g, W, y, bias, None)
-    elif norm:
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, g: T.Buffer((K,), "float32"), W: T.Buffer((N, K), wdt), y: y_ty):
-            with T.sblock("root"):
-                body(x, g, W, y, None, None)
-    elif epilogue == "residual":
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, W: T.Buffer((N, K), wdt), res: T.Buffer((1, N), "float32"), y: y_ty):
-            with T.sblock("root"):
-                body(x, None, W, y, None, res)
-    else:
-        assert epilogue == "none", epilogue
-        @T.prim_func(s_tir=True)
-        def func(x: x_ty, W: T.Buffer((N, K), wdt), y: y_ty):
-            with T.sblock("root"):
-                body(x, None, W, y, None, None)
+    func = gemv_func(body, N, K, wdt, epilogue, norm)
     tag = "_norm" if norm else ""
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 

@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 from .common import cached, dtype_tag
 from .gpu import finalize
 from .linear import EPILOGUES, token_dim
+from .signatures import matmul_func
 
 TX, TY = 16, 16  # threads: columns x tokens
 MI, NJ = 2, 4  # micro-tile per thread: tokens x columns
@@ -97,30 +98,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
                                 else:
                                     y[by * BM + ty + TY * i, bx * BN + tx + TX * j] = acc[i, j]
 
-    n = token_dim(None)
-    if epilogue == "none":
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, None, None, n)
-    elif epilogue == "bias":
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), bias: T.Buffer((N,), "float32"),
-                 var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, bias, None, n)
-    else:
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_res: T.handle, var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            res = T.match_buffer(var_res, (n, N), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, None, res, n)
+    func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
     return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 

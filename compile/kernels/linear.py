@@ -14,8 +14,9 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .common import VL, cached, dtype_tag, finalize, pick_tile
 from .fastmath import fexp
-from .common import cached, VL, dtype_tag, finalize, pick_tile
+from .signatures import matmul_func
 
 EPILOGUES = ("none", "bias", "residual")
 
@@ -93,30 +94,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
                 acc_tail(x, W, acc, m0 + rows // TM * TM + mt, co * TN)
                 store(y, acc, m0 + rows // TM * TM + mt, co * TN, 1, bias, res)
 
-    n = token_dim(None)
-    if epilogue == "none":
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, None, None, n)
-    elif epilogue == "bias":
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), bias: T.Buffer((N,), "float32"),
-                 var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, bias, None, n)
-    else:
-        @T.prim_func(s_tir=True)
-        def func(var_x: T.handle, W: T.Buffer((N, K), wdt), var_res: T.handle, var_y: T.handle):
-            x = T.match_buffer(var_x, (n, K), "float32")
-            res = T.match_buffer(var_res, (n, N), "float32")
-            y = T.match_buffer(var_y, (n, N), "float32")
-            with T.sblock("root"):
-                body(x, W, y, None, res, n)
+    func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
     return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
