@@ -26,7 +26,7 @@ from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE
 
 from .config import DTYPES, ModelConfig
 from .device_code import cuda_compile_callback, fatbin_packer
-from .kernels.registry import kernels_for
+from .kernels.registry import NO_DECODE_DEV, kernels_for
 from .model import BuildSpec, build_module
 from .params import param_specs
 from .targets import TargetSpec
@@ -100,7 +100,8 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "max_blocks_cap": spec.max_blocks_cap, "block_size": spec.block_size,
         "cache_dtype": spec.cache_dtype, "weight_dtype": spec.weight_dtype,
         "params": [[s.name, list(s.shape), s.dtype] for s in param_specs(cfg, spec.weight_dtype)],
-        "functions": ["decode", "prefill", "_metadata"],
+        "functions": (["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
+                      else ["decode", "decode_dev", "prefill", "_metadata"]),
     }
 
 

@@ -1,9 +1,12 @@
-"""The Relax module: ``decode``, ``prefill`` and ``_metadata`` of one Llama-family decoder.
+"""The Relax module: ``decode``, ``decode_dev``, ``prefill`` and ``_metadata`` of one
+Llama-family decoder.
 
 Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symbolic):
   decode(token_ids (1,) int32, block_table (1, cap) int32, context_len Prim int64,
          write_off Prim int64, kv_pools Tuple[2 L x (num_blocks, bs, Hkv, D)], params Tuple)
          -> logits (1, vocab) float32
+  decode_dev(token_ids, block_table, context_len (1,) int64, write_off (1,) int64, kv_pools,
+             params) -> logits (1, vocab) float32 -- decode with both scalars in tensors
   prefill(token_ids (n,) int32, block_table (1, cap) int32, start_pos Prim int64,
           kv_pools, params) -> logits of the last position (1, vocab) float32
   _metadata() -> the manifest JSON string
@@ -139,19 +142,25 @@ def _pool_and_param_vars(spec: BuildSpec):
     return pool_ty, pools, params
 
 
-def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: KernelSet):
+def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: KernelSet,
+                 dev: bool = False):
+    """``decode``, or with ``dev`` ``decode_dev``: the same body, but context_len / write_off
+    are (1,) int64 tensors handed straight to the ``*_decode_dev`` kernels (no host scalars,
+    so the step can be captured and replayed as a CUDA graph)."""
     cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
     pool_ty, pools, params = _pool_and_param_vars(spec)
     token_ids = relax.Var("token_ids", relax.TensorType([1], "int32"))
     table = relax.Var("block_table", relax.TensorType([1, cap], "int32"))
-    ctx = relax.Var("context_len", tvm.ir.PrimType("int64"))
-    off = relax.Var("write_off", tvm.ir.PrimType("int64"))
+    scalar_ty = relax.TensorType([1], "int64") if dev else tvm.ir.PrimType("int64")
+    ctx = relax.Var("context_len", scalar_ty)
+    off = relax.Var("write_off", scalar_ty)
     b = _Builder(bb, spec, 1, funcs, k)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
-    attn_args = (k.rope_kv_write_decode(*geo), k.paged_attention_decode(*geo),
-                 [table, off, ctx], [table, ctx])
-    with bb.function("decode", [token_ids, table, ctx, off, pools, params]):
+    rope, attn = ((k.rope_kv_write_decode_dev, k.paged_attention_decode_dev) if dev
+                  else (k.rope_kv_write_decode, k.paged_attention_decode))
+    attn_args = (rope(*geo), attn(*geo), [table, off, ctx], [table, ctx])
+    with bb.function("decode_dev" if dev else "decode", [token_ids, table, ctx, off, pools, params]):
         with bb.dataflow():
             logits = b.body(token_ids, 1, pools, params, attn_args)
             out = bb.emit_output(logits)
@@ -179,11 +188,14 @@ def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kerne
 
 def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = None
                  ) -> tvm.IRModule:
-    """The IRModule with ``decode``, ``prefill`` and ``_metadata`` (CPU kernels by default)."""
+    """The IRModule with ``decode``, ``decode_dev`` (when the kernel set has its kernels),
+    ``prefill`` and ``_metadata`` (CPU kernels by default)."""
     bb = relax.BlockBuilder()
     funcs: dict[str, relax.GlobalVar] = {}
     kernels = kernels or cpu_kernels()
     _emit_decode(bb, spec, funcs, kernels)
+    if kernels.rope_kv_write_decode_dev is not None and kernels.paged_attention_decode_dev:
+        _emit_decode(bb, spec, funcs, kernels, dev=True)
     _emit_prefill(bb, spec, funcs, kernels)
     with bb.function("_metadata", []):
         bb.emit_func_output(tvm.ir.StringImm(json.dumps(manifest, sort_keys=True)))

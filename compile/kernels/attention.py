@@ -5,6 +5,7 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   k_pool, v_pool (num_blocks, block_size, Hkv, D) cache dtype
   block_table (1, max_blocks_cap) int32 -- entries past the context are never read
   decode:  context_len int64 -- the query (position context_len - 1) sees positions < context_len
+  decode_dev: context_len as a (1,) int64 buffer (``paged_attention_decode_dev``)
   prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
   -> out (n, Hq D) float32
 Work is split by kv head: the ``group`` query heads of one kv head share every K/V row load.
@@ -82,11 +83,31 @@ def _attend_macro(Hq, Hkv, D, bs, cap):
     return attend
 
 
+def _decode_body(Hq, Hkv, D, bs, cap, nb):
+    """The decode checks + attention, shared by the scalar and the device-tensor variants:
+    ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
+    attend = _attend_macro(Hq, Hkv, D, bs, cap)
+
+    @T.macro
+    def body(q, k_pool, v_pool, bt, out, context_len):
+        assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+        for b in range((context_len + bs - 1) // bs):
+            assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+        if context_len * Hq * D >= PARALLEL_MIN_WORK:
+            for kvh in T.parallel(Hkv):
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+        else:  # a short context costs less than waking the thread pool
+            for kvh in T.serial(Hkv):
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+
+    return body
+
+
 @cached
 def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """One query token per head against context_len cached positions."""
-    attend = _attend_macro(Hq, Hkv, D, block_size, cap)
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -95,17 +116,27 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
         k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
         v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
         with T.sblock("root"):
-            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
-            for b in range((context_len + bs - 1) // bs):
-                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            if context_len * Hq * D >= PARALLEL_MIN_WORK:
-                for kvh in T.parallel(Hkv):
-                    attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
-            else:  # a short context costs less than waking the thread pool
-                for kvh in T.serial(Hkv):
-                    attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+            body(q, k_pool, v_pool, bt, out, context_len)
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """``paged_attention_decode`` with ``context_len`` read from a (1,) int64 buffer."""
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), context_len: T.Buffer((1,), "int64"),
+             out: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            body(q, k_pool, v_pool, bt, out, context_len[0])
+
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
 
 
 @cached

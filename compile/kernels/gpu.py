@@ -144,4 +144,6 @@ def gpu_kernels() -> KernelSet:
     return KernelSet(embedding, rmsnorm, gpu_gemv.gemv, gpu_gemv.gemv_swiglu, gpu_linear.linear,
                      gpu_linear.linear_swiglu, gpu_attention.rope_kv_write_decode,
                      gpu_attention.rope_kv_write_prefill, gpu_attention.paged_attention_decode,
-                     gpu_attention.paged_attention_prefill)
+                     gpu_attention.paged_attention_prefill,
+                     gpu_attention.rope_kv_write_decode_dev,
+                     gpu_attention.paged_attention_decode_dev)

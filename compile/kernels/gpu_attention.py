@@ -18,6 +18,9 @@ Buffers (D = head_dim, n symbolic for prefill or 1 for decode):
              inv_freq (D/2,) float32, block_table, write_off + context_len | start_pos
              -> q_rot (n, Hq D) float32
 Scalar bounds (context_len, write_off, start_pos) are asserted on the host before the launch.
+The ``*_decode_dev`` variants take context_len / write_off as (1,) int64 device buffers (for
+CUDA-graph replay); there the bounds are guards: out of range writes nothing, and attention
+clamps the context to max_blocks_cap * block_size.
 Block-table entries are device data: an entry outside [0, num_blocks) is skipped (its positions
 get no attention weight, its K/V is not written) instead of raising; a decode ``write_off`` that
 does not match the table at ``context_len - 1`` writes nothing.
@@ -98,11 +101,30 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
     return attend, NT
 
 
+def _decode_attn_body(Hq, Hkv, D, bs, nb):
+    """Decode attention (shared memory + one block per query head), shared by the scalar and
+    the device-tensor variants; ``context_len`` is an int64 expression."""
+    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+
+    @T.macro
+    def body(q, k_pool, v_pool, bt, out, context_len):
+        qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+        ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+        accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+        mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+        sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+        st = T.sblock_alloc_buffer((5,), "float32", scope="local")
+        for h in T.thread_binding(Hq, thread="blockIdx.x"):
+            attend(q, k_pool, v_pool, bt, out, 0, h, context_len, qs, ps, accs, mx, sm, st)
+
+    return body
+
+
 @cached
 def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """One query token per head against context_len cached positions."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+    body = _decode_attn_body(Hq, Hkv, D, bs, nb)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -112,16 +134,31 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
         v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
-            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
-            for h in T.thread_binding(Hq, thread="blockIdx.x"):
-                attend(q, k_pool, v_pool, bt, out, 0, h, context_len, qs, ps, accs, mx, sm, st)
+            body(q, k_pool, v_pool, bt, out, context_len)
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """``paged_attention_decode`` with ``context_len`` in a (1,) int64 device buffer.  The
+    host cannot assert on device data, so the range check becomes a guard: the context is
+    clamped to ``max_blocks_cap * block_size`` (no read past the table) and a context below 1
+    attends nothing (the output is 0 / 0)."""
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    body = _decode_attn_body(Hq, Hkv, D, bs, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((1, cap), "int32"), context_len: T.Buffer((1,), "int64"),
+             out: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            body(q, k_pool, v_pool, bt, out,
+                 T.max(T.min(context_len[0], T.int64(cap * bs)), T.int64(0)))
+
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
 
 
 @cached
@@ -179,12 +216,28 @@ def _rope_macro(Hq, Hkv, D, cdt):
     return rope_write
 
 
+def _decode_rope_body(Hq, Hkv, D, bs, cdt):
+    """Decode RoPE + KV write, shared by the scalar and the device-tensor variants; ``ok``
+    (computed by the caller) gates the pool writes."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    H = Hq + 2 * Hkv
+
+    @T.macro
+    def body(qkv, k_pool, v_pool, inv_freq, q_rot, write_off, context_len, ok):
+        for hd in T.thread_binding(H, thread="blockIdx.x"):
+            for d in T.thread_binding(D // 2, thread="threadIdx.x"):
+                rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
+                           write_off // bs, write_off % bs, ok, hd, d)
+
+    return body
+
+
 @cached
 def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """Decode variant: one token at the flattened offset ``write_off``."""
-    rope_write = _rope_macro(Hq, Hkv, D, cdt)
-    QKV, bs, H = (Hq + 2 * Hkv) * D, block_size, Hq + 2 * Hkv
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
     nb = tirx.Var("num_blocks", "int64")
+    body = _decode_rope_body(Hq, Hkv, D, bs, cdt)
 
     @T.prim_func(s_tir=True)
     def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
@@ -195,14 +248,39 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
-            for hd in T.thread_binding(H, thread="blockIdx.x"):
-                for d in T.thread_binding(D // 2, thread="threadIdx.x"):
-                    rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
-                               write_off // bs, write_off % bs,
-                               T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs
-                               + (context_len - 1) % bs == write_off, hd, d)
+            body(qkv, k_pool, v_pool, inv_freq, q_rot, write_off, context_len,
+                 T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs
+                 + (context_len - 1) % bs == write_off)
 
     return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """``rope_kv_write_decode`` with ``write_off`` and ``context_len`` in (1,) int64 device
+    buffers.  The host cannot assert on device data, so both range checks join the table
+    match in the write guard: an out-of-range or inconsistent call writes nothing (q_rot is
+    still produced); the table row read is clamped into [0, max_blocks_cap)."""
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    nb = tirx.Var("num_blocks", "int64")
+    body = _decode_rope_body(Hq, Hkv, D, bs, cdt)
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             write_off: T.Buffer((1,), "int64"), context_len: T.Buffer((1,), "int64"),
+             q_rot: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            body(qkv, k_pool, v_pool, inv_freq, q_rot, write_off[0], context_len[0],
+                 1 <= context_len[0] and context_len[0] <= cap * bs
+                 and 0 <= write_off[0] and write_off[0] < nb * bs
+                 and T.Cast("int64", bt[0, T.max(T.min((context_len[0] - 1) // bs,
+                                                       T.int64(cap - 1)), T.int64(0))]) * bs
+                 + (context_len[0] - 1) % bs == write_off[0])
+
+    return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
 
 
 @cached

@@ -22,6 +22,10 @@ class KernelSet:
     rope_kv_write_prefill: Callable
     paged_attention_decode: Callable
     paged_attention_prefill: Callable
+    # decode_dev: context_len / write_off read from (1,) int64 device tensors (CUDA-graph
+    # friendly).  Defaulted so a KernelSet built with the ten factories above still works.
+    rope_kv_write_decode_dev: Callable | None = None
+    paged_attention_decode_dev: Callable | None = None
 
 
 def cpu_kernels() -> KernelSet:
@@ -30,7 +34,13 @@ def cpu_kernels() -> KernelSet:
     return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu, linear.linear,
                      linear.linear_swiglu, rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
-                     attention.paged_attention_prefill)
+                     attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
+                     attention.paged_attention_decode_dev)
+
+
+# Targets whose device code cannot hold the int64 buffers of the ``*_decode_dev`` kernels
+# (WGSL has no i64): their artifacts have no ``decode_dev``.
+NO_DECODE_DEV = ("webgpu",)
 
 
 def kernels_for(target_kind: str) -> KernelSet:
@@ -39,4 +49,7 @@ def kernels_for(target_kind: str) -> KernelSet:
         return cpu_kernels()
     from .gpu import gpu_kernels
 
+    if target_kind in NO_DECODE_DEV:
+        return dataclasses.replace(gpu_kernels(), rope_kv_write_decode_dev=None,
+                                   paged_attention_decode_dev=None)
     return gpu_kernels()

@@ -7,6 +7,7 @@ Buffers (D = head_dim, QKV = (Hq + 2 Hkv) D, n symbolic for prefill or 1 for dec
   block_table (1, max_blocks_cap) int32
   decode:  write_off, context_len int64 -- writes position context_len - 1 at the flattened
            offset write_off = physical_block * block_size + slot (checked against the table)
+  decode_dev: the same two values as (1,) int64 buffers (``rope_kv_write_decode_dev``)
   prefill: start_pos int64 -- writes positions start_pos .. start_pos + n - 1 via the table
   -> q_rot (n, Hq D) float32
 Every index is checked before the first write, so a bad call leaves the pool untouched.
@@ -45,12 +46,30 @@ def _rope_macro(Hq, Hkv, D, cdt):
     return rope_write
 
 
+def _decode_body(Hq, Hkv, D, bs, cap, cdt, nb):
+    """The decode checks + write, shared by the scalar and the device-tensor variants:
+    ``write_off`` / ``context_len`` are int64 expressions (a scalar param or ``buf[0]``)."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+
+    @T.macro
+    def body(qkv, k_pool, v_pool, inv_freq, bt, q_rot, write_off, context_len):
+        assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
+        assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
+        for b in range((context_len + bs - 1) // bs):  # every entry attention will read
+            assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+        assert T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs + (context_len - 1) % bs == write_off, "write_off does not match the block table at context_len - 1"
+        rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
+                   write_off // bs, write_off % bs)
+
+    return body
+
+
 @cached
 def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """Decode variant: one token at the flattened offset ``write_off``."""
-    rope_write = _rope_macro(Hq, Hkv, D, cdt)
     QKV, bs = (Hq + 2 * Hkv) * D, block_size
     nb = tirx.Var("num_blocks", "int64")
+    body = _decode_body(Hq, Hkv, D, bs, cap, cdt, nb)
 
     @T.prim_func(s_tir=True)
     def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
@@ -59,15 +78,30 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
         k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
         v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
         with T.sblock("root"):
-            assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
-            assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
-            for b in range((context_len + bs - 1) // bs):  # every entry attention will read
-                assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            assert T.Cast("int64", bt[0, (context_len - 1) // bs]) * bs + (context_len - 1) % bs == write_off, "write_off does not match the block table at context_len - 1"
-            rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, 0, context_len - 1,
-                       write_off // bs, write_off % bs)
+            body(qkv, k_pool, v_pool, inv_freq, bt, q_rot, write_off, context_len)
 
     return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+    """``rope_kv_write_decode`` with ``write_off`` and ``context_len`` read from (1,) int64
+    buffers (device tensors: a CUDA graph replays them without re-recording scalars)."""
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    nb = tirx.Var("num_blocks", "int64")
+    body = _decode_body(Hq, Hkv, D, bs, cap, cdt, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
+             write_off: T.Buffer((1,), "int64"), context_len: T.Buffer((1,), "int64"),
+             q_rot: T.Buffer((1, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        with T.sblock("root"):
+            body(qkv, k_pool, v_pool, inv_freq, bt, q_rot, write_off[0], context_len[0])
+
+    return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
 
 
 @cached
