@@ -191,7 +191,8 @@ def test_prefill_linear(wdt, n, epilogue):
 
 
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
-@pytest.mark.parametrize("N,K", [(40, 72), (1000, 520)])  # serial and parallel plans
+# serial plan; parallel with partial last chunk; chunks of several row tiles, the last partial
+@pytest.mark.parametrize("N,K", [(40, 72), (1000, 520), (2500, 300)])
 @pytest.mark.parametrize("epilogue,norm", [("none", False), ("none", True), ("bias", True),
                                            ("residual", False)])
 def test_decode_gemv(wdt, N, K, epilogue, norm):
@@ -226,7 +227,7 @@ def test_prefill_swiglu(n):
     np.testing.assert_allclose(y.numpy(), _ref_swiglu(x, w, inter), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("inter,K", [(24, 40), (600, 136)])
+@pytest.mark.parametrize("inter,K", [(24, 40), (600, 136), (1100, 72)])
 def test_decode_norm_swiglu(inter, K):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, K)).astype(np.float32)
