@@ -136,32 +136,94 @@ def llamacpp_available() -> str | None:
     return None
 
 
-def time_llamacpp(gguf_path: Path, contexts, n_tokens: int, prompt_lens, threads: int,
-                  cache_dtype: str) -> dict:
-    """Median ms per decode token and prefill tokens/s, KV cache in ``cache_dtype`` like ours."""
+def median_ms(step, n_tokens: int, warmup_s: float, min_warmup: int = 3) -> float:
+    """Median ms of ``n_tokens`` calls after ``min_warmup`` calls, continued up to ``warmup_s``
+    seconds or 48 calls (the same warm-up rule as ours)."""
+    t_end = time.perf_counter() + warmup_s
+    for i in range(48):
+        if i >= min_warmup and time.perf_counter() >= t_end:
+            break
+        step()
+    times = []
+    for _ in range(n_tokens):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def llamacpp_server(conn, gguf_path: str, n_ctx: int, threads: int, cache_dtype: str) -> None:
+    """Child-process loop serving timing requests on one loaded llama.cpp model, so rounds of
+    ours and llama.cpp can alternate without reloading.  Requests (tuples over ``conn``):
+    ``("decode", ctx, n_tokens, warmup_s)`` -> median ms/token with ``ctx - 1`` tokens of context
+    (the prompt is evaluated once per ctx and its state restored for later rounds);
+    ``("prefill", n)`` -> tokens/s of a second ``n``-token prefill; ``("close",)``."""
     from llama_cpp import Llama
 
     ggml_type = {"float32": 0, "float16": 1}[cache_dtype]
-    rng = np.random.default_rng(0)
-    llm = Llama(model_path=str(gguf_path), n_ctx=max(max(contexts), max(prompt_lens)) + n_tokens + 64,
-                n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False,
-                type_k=ggml_type, type_v=ggml_type)
-    vocab = llm.n_vocab()
-    out = {"decode_ms": {}, "prefill_tps": {}}
-    for ctx in contexts:
-        llm.reset()
-        llm.eval(rng.integers(0, vocab, ctx - 1).tolist())
-        times, t_end = [], time.perf_counter() + 1.0  # warm-up as for ours: 1 s, <= 48 calls
-        while len(times) < n_tokens + 3 or (time.perf_counter() < t_end
-                                            and len(times) < n_tokens + 48):
+    llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False, type_k=ggml_type, type_v=ggml_type)
+    rng, vocab, states = np.random.default_rng(0), llm.n_vocab(), {}
+    llm.eval([1, 2, 3])  # first-call set-up out of the timings
+    conn.send("ready")
+    while True:
+        req = conn.recv()
+        if req[0] == "close":
+            conn.close()
+            return
+        if req[0] == "decode":
+            _, ctx, n_tokens, warmup_s = req
+            if ctx not in states:
+                llm.reset()
+                llm.eval(rng.integers(0, vocab, ctx - 1).tolist())
+                states[ctx] = llm.save_state()
+            llm.load_state(states[ctx])
+            conn.send(median_ms(lambda: llm.eval([1]), n_tokens, warmup_s))
+        else:
+            _, n = req
+            ids = rng.integers(0, vocab, n).tolist()
+            llm.reset()
+            llm.eval(ids)  # untimed: the first batch of a size after decoding re-plans
+            llm.reset()
             t0 = time.perf_counter()
-            llm.eval([1])
-            times.append(time.perf_counter() - t0)
-        out["decode_ms"][ctx] = float(np.median(times[-n_tokens:]) * 1e3)
-    for n in prompt_lens:
-        llm.reset()
-        ids = rng.integers(0, vocab, n).tolist()
-        t0 = time.perf_counter()
-        llm.eval(ids)
-        out["prefill_tps"][n] = n / (time.perf_counter() - t0)
-    return out
+            llm.eval(ids)
+            conn.send(n / (time.perf_counter() - t0))
+
+
+class LlamaCpp:
+    """llama.cpp on a GGUF, in a child process (its thread pool must not share the process with
+    ours), serving timing requests until :meth:`close`."""
+
+    def __init__(self, gguf_path: Path, n_ctx: int, threads: int, cache_dtype: str):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=llamacpp_server,
+                                 args=(child, str(gguf_path), n_ctx, threads, cache_dtype),
+                                 daemon=True)
+        self._proc.start()
+        self._call_reply()
+
+    def _call_reply(self, *req):
+        if req:
+            self._conn.send(req)
+        if not self._conn.poll(3600):
+            raise TimeoutError("llama.cpp child did not answer within an hour")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"llama.cpp child exited (code {self._proc.exitcode})") from None
+
+    def decode_ms(self, ctx: int, n_tokens: int, warmup_s: float) -> float:
+        return self._call_reply("decode", ctx, n_tokens, warmup_s)
+
+    def prefill_tps(self, n: int) -> float:
+        return self._call_reply("prefill", n)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(("close",))
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()

@@ -21,30 +21,19 @@ from typing import Callable
 import numpy as np
 
 from . import baselines
+from .baselines import median_ms
 from .api import prepare
 from .weights import resolve_model
 
-FULL = dict(contexts=(16, 256, 1024), n_tokens=64, prompts=(128, 512), bw_mb=512, replan=8)
-QUICK = dict(contexts=(16, 64), n_tokens=8, prompts=(16, 32), bw_mb=64, replan=4)
-
-
-MAX_WARMUP = 48  # calls; each decode warm-up call grows the sequence by a token
-
-
-def _median_ms(fn, n: int, warmup: int = 3, warmup_s: float = 1.0) -> float:
-    """Median ms of ``n`` calls after ``warmup`` calls, continued up to ``warmup_s`` seconds or
-    MAX_WARMUP calls (a large model's first tokens after loading run slower)."""
-    t_end = time.perf_counter() + warmup_s
-    for i in range(MAX_WARMUP):
-        if i >= warmup and time.perf_counter() >= t_end:
-            break
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+# Each run alternates ``rounds`` rounds of: read bandwidth, our decode (and scattered blocks at
+# the largest context), llama.cpp's decode, both prefills.  Ratios are taken within a round and
+# their median reported: this shared machine's bandwidth drifts by tens of percent from one
+# minute to the next, so numbers measured minutes apart do not compare.
+FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, prompts=(128, 512), bw_mb=512,
+            replan=8)
+QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, prompts=(16, 32), bw_mb=64, replan=4)
+FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
+SWITCH_PAUSE_S = 0.1  # lets the other engine's spinning worker threads park
 
 
 def measure_bandwidth(mb: int, repeats: int = 7) -> float:
@@ -60,7 +49,7 @@ def measure_bandwidth(mb: int, repeats: int = 7) -> float:
         f"stream_read_{n_rows}"]
     src = tvm.runtime.tensor(np.ones((CHUNKS, n_rows, ROW), np.float32))
     dst = tvm.runtime.tensor(np.zeros((CHUNKS, VL), np.float32))
-    ms = _median_ms(lambda: fn(src, dst), repeats, warmup=2)
+    ms = median_ms(lambda: fn(src, dst), repeats, 0.0, min_warmup=2)
     return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
 
 
@@ -99,14 +88,15 @@ class _Ours:
 
         return PagedDecodeSession(self.artifact, self.weights, pool)
 
-    def decode_ms(self, ctx: int, n_tokens: int, scattered: bool = False) -> float:
+    def decode_ms(self, ctx: int, n_tokens: int, warmup_s: float,
+                  scattered: bool = False) -> float:
         """Median ms/token decoding at context ``ctx`` (identity or scattered block table)."""
         cap = self.m["max_blocks_cap"]
         pool = self.pool(2 * cap if scattered else cap)
         if scattered:  # interleave a filler sequence so our blocks are non-contiguous
             filler = pool.new_sequence()
         handle = pool.new_sequence()
-        for _ in range(-(-(ctx + n_tokens + MAX_WARMUP + 4) // self.m["block_size"])):
+        for _ in range(-(-(ctx + n_tokens + 52) // self.m["block_size"])):  # 48 warm-up calls
             if scattered:
                 filler.reserve(self.m["block_size"])
                 filler.advance(self.m["block_size"])
@@ -114,13 +104,17 @@ class _Ours:
             handle.advance(self.m["block_size"])
         handle.truncate_to(ctx - 1)
         session = self.session(pool)
-        return _median_ms(lambda: session.realize_token(handle, 1), n_tokens)
+        return median_ms(lambda: session.realize_token(handle, 1), n_tokens, warmup_s)
 
     def prefill_tps(self, n: int) -> float:
+        """Tokens/s of an ``n``-token prefill, after an untimed one of the same length (as for
+        llama.cpp, whose first batch of a size after decoding re-plans its compute graph)."""
         pool = self.pool(self.m["max_blocks_cap"])
         session = self.session(pool)
         ids = np.random.default_rng(0).integers(0, self.m["vocab_size"], n)
-        session.prefill(pool.new_sequence(), ids[:8])  # warm-up
+        warm = pool.new_sequence()
+        session.prefill(warm, ids)
+        warm.release()
         handle = pool.new_sequence()
         t0 = time.perf_counter()
         session.prefill(handle, ids)
@@ -132,49 +126,142 @@ class _Ours:
         handle = pool.new_sequence()
         session = self.session(pool)
         session.prefill(handle, [1, 2, 3])
-        once = _median_ms(lambda: session.realize_token(handle, 1), n_tokens)
-        replan = _median_ms(lambda: self.session(pool).realize_token(handle, 1), n_tokens)
+        once = median_ms(lambda: session.realize_token(handle, 1), n_tokens, LATER_WARMUP_S)
+        replan = median_ms(lambda: self.session(pool).realize_token(handle, 1), n_tokens,
+                           LATER_WARMUP_S)
         return {"plan_once_ms": once, "replan_ms": replan, "ratio": replan / once}
 
-    def host_overhead_us(self) -> dict:
-        """Whole Python step vs the VM's own time evaluator on the same arguments."""
+    def host_overhead_us(self, ctx: int = 16, n: int = 400) -> dict:
+        """Whole Python step vs the VM's own time evaluator on the same arguments, at contexts
+        ``ctx`` to ``ctx + 32`` (the fixed cost, not attention over a long context)."""
         pool = self.pool(self.m["max_blocks_cap"])
         handle = pool.new_sequence()
         session = self.session(pool)
-        session.prefill(handle, [1, 2, 3])
-        n = self.m["max_blocks_cap"] * self.m["block_size"] - 60
-        py_us = _median_ms(lambda: session.realize_token(handle, 1), n, warmup=50) * 1e3
-        pos = handle.length
+        session.prefill(handle, list(range(1, ctx)))
+        times = []
+        for i in range(n):
+            if i % 32 == 0:
+                handle.truncate_to(ctx - 1)
+            t0 = time.perf_counter()
+            session.realize_token(handle, 1)
+            times.append(time.perf_counter() - t0)
+        py_us = float(np.median(times[50:]) * 1e6)
+        handle.truncate_to(ctx - 1)
         handle.reserve(1)
-        args = (session._token, session._table, pos + 1, handle.write_offset(pos), pool.pools,
+        args = (session._token, session._table, ctx, handle.write_offset(ctx - 1), pool.pools,
                 self.weights.params)
         te = self.artifact.vm.time_evaluator("decode", self.artifact.device, number=200, repeat=5)
         vm_us = float(np.median(te(*args).results) * 1e6)
-        return {"python_step_us": py_us, "vm_call_us": vm_us, "python_overhead_us": py_us - vm_us}
+        return {"context": ctx, "python_step_us": py_us, "vm_call_us": vm_us,
+                "python_overhead_us": py_us - vm_us}
 
 
-def _ours(model: str, dtype: str, cfg: dict, artifacts, say) -> dict:
-    max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + MAX_WARMUP + 16
+def _spread(values) -> dict:
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values)), "rounds": [float(v) for v in values]}
+
+
+def _pause():
+    time.sleep(SWITCH_PAUSE_S)
+
+
+def _start_llamacpp(model: str, dtype: str, n_ctx: int, workdir: Path, say):
+    """(engine, None), or (None, reason) when llama.cpp cannot run."""
+    reason = baselines.llamacpp_available()
+    if reason:
+        return None, reason
+    source = resolve_model(model)
+    gguf = baselines.write_gguf(source.config, source.load_params("float32"),
+                                workdir / f"bench-{dtype}.gguf", dtype)
+    say(f"  llama.cpp {dtype} on {gguf.name}")
+    return baselines.LlamaCpp(gguf, n_ctx, os.cpu_count() or 1, dtype), None
+
+
+def _paired_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
+    """``rounds`` rounds of bandwidth, our decode (+ scattered blocks at the largest context),
+    llama.cpp's decode and both prefills, back to back; the per-round values."""
+    ctxs, big, n = cfg["contexts"], max(cfg["contexts"]), cfg["n_tokens"]
+    raw = {"bandwidth_gbps": [], "scattered_ms": [],
+           "ours": {"decode_ms": {c: [] for c in ctxs}, "prefill_tps": {p: [] for p in cfg["prompts"]}},
+           "llama.cpp": {"decode_ms": {c: [] for c in ctxs},
+                         "prefill_tps": {p: [] for p in cfg["prompts"]}}}
+    for r in range(cfg["rounds"]):
+        say(f"  round {r + 1}/{cfg['rounds']}")
+        warm = FIRST_WARMUP_S if r == 0 else LATER_WARMUP_S
+        raw["bandwidth_gbps"].append(measure_bandwidth(cfg["bw_mb"]))
+        for c in ctxs:
+            raw["ours"]["decode_ms"][c].append(ours.decode_ms(c, n, warm))
+            if c == big:
+                raw["scattered_ms"].append(ours.decode_ms(c, n, warm, scattered=True))
+            if lc is not None:
+                _pause()
+                raw["llama.cpp"]["decode_ms"][c].append(lc.decode_ms(c, n, warm))
+                _pause()
+        for p in cfg["prompts"]:
+            raw["ours"]["prefill_tps"][p].append(ours.prefill_tps(p))
+            if lc is not None:
+                _pause()
+                raw["llama.cpp"]["prefill_tps"][p].append(lc.prefill_tps(p))
+                _pause()
+    return raw
+
+
+def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -> dict:
+    """Everything for one model x dtype: compile/load, the paired rounds, re-plan, host overhead
+    (tiny), HF eager."""
+    max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
     prepared = prepare(model, block_size=16, max_context=max_ctx, cache_dtype=dtype,
                        weight_dtype=dtype, artifacts=artifacts)
     ours = _Ours(prepared)
     m = ours.m
+    lc, lc_skip = _start_llamacpp(model, dtype, max_ctx + 64, workdir, say)
+    try:
+        raw = _paired_rounds(ours, lc, cfg, say)
+    finally:
+        if lc is not None:
+            lc.close()
+    ctxs, big = cfg["contexts"], max(cfg["contexts"])
+    bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
+    bw = raw["bandwidth_gbps"]
+    o_ms = raw["ours"]["decode_ms"]
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
-           "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6}
-    say(f"  decode at contexts {cfg['contexts']}")
-    res["decode_ms"] = {c: ours.decode_ms(c, cfg["n_tokens"]) for c in cfg["contexts"]}
-    res["prefill_tps"] = {n: ours.prefill_tps(n) for n in cfg["prompts"]}
-    ctx = max(cfg["contexts"])
-    scattered = ours.decode_ms(ctx, cfg["n_tokens"], scattered=True)
-    res["paged_vs_contiguous"] = {"context": ctx, "contiguous_ms": res["decode_ms"][ctx],
-                                  "scattered_ms": scattered,
-                                  "ratio": scattered / res["decode_ms"][ctx]}
-    res["replan"] = ours.replan_ratio(cfg["replan"])
-    res["bytes_per_token"] = {c: bytes_per_token(m, ours.weights, c) for c in cfg["contexts"]}
+           "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
+           "decode_ms": {c: float(np.median(v)) for c, v in o_ms.items()},
+           "decode_ms_rounds": o_ms,
+           "prefill_tps": {p: float(np.median(v)) for p, v in raw["ours"]["prefill_tps"].items()},
+           "bytes_per_token": bpt,
+           # per round: floor (bytes / that round's bandwidth) over our time
+           "floor_fraction": {c: _spread([bpt[c] / (b * 1e9) * 1e3 / t
+                                          for b, t in zip(bw, o_ms[c])]) for c in ctxs},
+           "paged_vs_contiguous": {
+               "context": big, "contiguous_ms": float(np.median(o_ms[big])),
+               "scattered_ms": float(np.median(raw["scattered_ms"])),
+               "ratio": _spread([s / c for s, c in zip(raw["scattered_ms"], o_ms[big])])["median"],
+               "ratio_spread": _spread([s / c for s, c in zip(raw["scattered_ms"], o_ms[big])])},
+           "replan": ours.replan_ratio(cfg["replan"])}
     if m["name"] == "tiny":
         res["host_overhead"] = ours.host_overhead_us()
-    res["_params"] = ours.weights  # dropped before writing; the baselines reuse the weights
-    return res
+    baselines_out = {}
+    if lc is None:
+        baselines_out["llama.cpp"] = {"skipped": lc_skip}
+    else:
+        l_ms = raw["llama.cpp"]["decode_ms"]
+        l_tps = raw["llama.cpp"]["prefill_tps"]
+        baselines_out["llama.cpp"] = {
+            "decode_ms": {c: float(np.median(v)) for c, v in l_ms.items()},
+            "decode_ms_rounds": l_ms,
+            "prefill_tps": {p: float(np.median(v)) for p, v in l_tps.items()}}
+        # ours tok/s over llama.cpp's = their ms / ours, paired within each round
+        res["vs_llamacpp"] = {
+            "decode": {c: _spread([lt / ot for lt, ot in zip(l_ms[c], o_ms[c])]) for c in ctxs},
+            "prefill": {p: _spread([ot / lt for ot, lt in zip(raw["ours"]["prefill_tps"][p],
+                                                               l_tps[p])])
+                        for p in cfg["prompts"]}}
+    baselines_out["hf-eager"] = _hf(model, dtype, cfg, say)
+    return {"model": model, "dtype": dtype, "bandwidth_gbps": float(np.median(bw)),
+            "bandwidth_rounds": bw, "ours": res,
+            "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
+            "baselines": baselines_out}
 
 
 def _in_child(fn, *args):
@@ -187,44 +274,24 @@ def _in_child(fn, *args):
         return pool.apply(fn, args)
 
 
-def _llamacpp_child(model: str, dtype: str, cfg: dict, workdir: str) -> dict:
-    source = resolve_model(model)
-    gguf = baselines.write_gguf(source.config, source.load_params("float32"),
-                                Path(workdir) / f"bench-{dtype}.gguf", dtype)
-    try:
-        return baselines.time_llamacpp(gguf, cfg["contexts"], cfg["n_tokens"], cfg["prompts"],
-                                       os.cpu_count() or 1, dtype)
-    finally:
-        gguf.unlink()
-
-
 def _hf_child(model: str, cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     source = resolve_model(model)
     model_hf = baselines.hf_model(source.config, source.load_params("float32"), "float32")
-    return baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 4, 4),
+    return baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 2, 4),
                              cfg["prompts"])
 
 
-def _baselines(model: str, dtype: str, cfg: dict, say, workdir: Path) -> dict:
-    """llama.cpp (same dtype) and HF eager (float32) on the same weights, each in a child."""
-    out = {}
-    reason = baselines.llamacpp_available()
-    if reason:
-        out["llama.cpp"] = {"skipped": reason}
-    else:
-        say(f"  llama.cpp {dtype}")
-        out["llama.cpp"] = _in_child(_llamacpp_child, model, dtype, cfg, str(workdir))
+def _hf(model: str, dtype: str, cfg: dict, say) -> dict:
+    """HF transformers eager (float32 only), once, in a child."""
     if importlib.util.find_spec("transformers") is None:
-        out["hf-eager"] = {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
-    elif dtype != "float32":
-        out["hf-eager"] = {"skipped": "HF eager float16 on CPU has no fast kernels; float32 only"}
-    else:
-        say("  HF transformers eager float32")
-        out["hf-eager"] = _in_child(_hf_child, model, cfg)
-    return out
+        return {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
+    if dtype != "float32":
+        return {"skipped": "HF eager float16 on CPU has no fast kernels; float32 only"}
+    say("  HF transformers eager float32")
+    return _in_child(_hf_child, model, cfg)
 
 
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
@@ -241,16 +308,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
         for model in models:
             for dtype in dtypes:
                 say(f"{model} {dtype}")
-                ours = _ours(model, dtype, cfg, artifacts, say)
-                ours.pop("_params")
-                # the shared machine's bandwidth drifts: measure it next to each run
-                say(f"  read bandwidth over {cfg['bw_mb']} MiB")
-                bw = measure_bandwidth(cfg["bw_mb"])
-                floor = {c: b / (bw * 1e9) * 1e3 for c, b in ours["bytes_per_token"].items()}
-                run = {"model": model, "dtype": dtype, "bandwidth_gbps": bw, "ours": ours,
-                       "floor_ms": floor,
-                       "baselines": _baselines(model, dtype, cfg, say, Path(work))}
-                report["runs"].append(run)
+                report["runs"].append(_run_one(model, dtype, cfg, artifacts, say, Path(work)))
     from .bench_report import write_outputs
 
     return write_outputs(report, out_dir)

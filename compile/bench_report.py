@@ -10,6 +10,10 @@ def _fmt(x, digits=2):
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _spread(d: dict, digits: int = 2) -> str:
+    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+
+
 def _engine_rows(run: dict, contexts) -> list[str]:
     rows = []
     engines = {"paged-decode": run["ours"], **run["baselines"]}
@@ -19,7 +23,10 @@ def _engine_rows(run: dict, contexts) -> list[str]:
                         + "| " * (len(contexts) + 1) + "|")
             continue
         ms = [res["decode_ms"].get(c) for c in contexts]
-        ratio = [run["floor_ms"][c] / m if m else None for c, m in zip(contexts, ms)]
+        if "floor_fraction" in res:  # paired with the bandwidth of the same round
+            ratio = [res["floor_fraction"][c]["median"] for c in contexts]
+        else:
+            ratio = [run["floor_ms"][c] / m if m else None for c, m in zip(contexts, ms)]
         tps = res.get("prefill_tps", {})
         rows.append(f"| {run['model']} | {run['dtype']} | {name} | "
                     + " | ".join(f"{_fmt(m)} ({_fmt(r)})" for m, r in zip(ms, ratio))
@@ -29,9 +36,11 @@ def _engine_rows(run: dict, contexts) -> list[str]:
 
 def markdown(report: dict) -> str:
     contexts = report["settings"]["contexts"]
-    bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f}" for r in report["runs"])
-    lines = [f"Read bandwidth (GB/s, measured next to each run, {report['machine']['cpu_count']} "
-             f"cores): {bws}.", "",
+    bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f} "
+                    f"({min(r['bandwidth_rounds']):.1f}-{max(r['bandwidth_rounds']):.1f})"
+                    for r in report["runs"])
+    lines = [f"Read bandwidth (GB/s, median (min-max) of the rounds, "
+             f"{report['machine']['cpu_count']} cores): {bws}.", "",
              "ms/token at context (fraction of the bandwidth floor); prefill tokens/s by prompt "
              "length.", "",
              "| model | dtype | engine | " + " | ".join(f"ctx {c}" for c in contexts)
@@ -41,20 +50,24 @@ def markdown(report: dict) -> str:
         lines += [f"| {run['model']} | {run['dtype']} | floor | "
                   + " | ".join(_fmt(run["floor_ms"][c]) for c in contexts) + " | |"]
         lines += _engine_rows(run, contexts)
-    lines += ["", "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
-              "re-plan/plan-once | ours/llama.cpp tok/s |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "Ours over llama.cpp (tokens/s ratio, median of the rounds' ratios, min-max in "
+              "brackets; each round times both engines back to back):", "",
+              "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
+              "re-plan/plan-once | " + " | ".join(f"decode ctx {c}" for c in contexts)
+              + " | prefill |", "|---|---|---|---|---|---|" + "---|" * len(contexts) + "---|"]
     for run in report["runs"]:
-        o, lc = run["ours"], run["baselines"].get("llama.cpp", {})
-        speedups = [lc["decode_ms"][c] / o["decode_ms"][c] for c in contexts
-                    if "decode_ms" in lc and c in lc["decode_ms"]]
+        o = run["ours"]
+        vs = o.get("vs_llamacpp")
+        dec = [_spread(vs["decode"][c]) if vs else "—" for c in contexts]
+        pre = ", ".join(f"{p}: {_spread(v)}" for p, v in vs["prefill"].items()) if vs else "—"
         lines.append(f"| {run['model']} | {run['dtype']} | {_fmt(o['compile_seconds'], 1)} | "
-                     f"{_fmt(o['load_seconds'])} | {_fmt(o['paged_vs_contiguous']['ratio'], 3)} | "
-                     f"{_fmt(o['replan']['ratio'], 1)} | "
-                     + (", ".join(f"{s:.2f}" for s in speedups) or "—") + " |")
+                     f"{_fmt(o['load_seconds'])} | {_spread(o['paged_vs_contiguous']['ratio_spread'], 3)} | "
+                     f"{_fmt(o['replan']['ratio'], 1)} | " + " | ".join(dec) + f" | {pre} |")
     for run in report["runs"]:
         if "host_overhead" in run["ours"]:
             h = run["ours"]["host_overhead"]
-            lines += ["", f"Host overhead ({run['model']} {run['dtype']}): whole Python step "
+            lines += ["", f"Host overhead ({run['model']} {run['dtype']}, contexts "
+                      f"{h['context']}-{h['context'] + 32}): whole Python step "
                       f"{h['python_step_us']:.1f} µs, VM call (time evaluator) "
                       f"{h['vm_call_us']:.1f} µs, Python part {h['python_overhead_us']:.1f} µs."]
     return "\n".join(lines) + "\n"

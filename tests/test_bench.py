@@ -22,11 +22,25 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert sorted(ours["decode_ms"]) == sorted(contexts)
     assert all(v > 0 for v in ours["decode_ms"].values())
     assert all(run["floor_ms"][c] > 0 for c in contexts)
+    rounds = report["settings"]["rounds"]
+    assert len(run["bandwidth_rounds"]) == rounds
+    assert all(len(v) == rounds for v in ours["decode_ms_rounds"].values())
+    for c in contexts:
+        frac = ours["floor_fraction"][c]
+        assert 0 < frac["min"] <= frac["median"] <= frac["max"] and len(frac["rounds"]) == rounds
     assert ours["paged_vs_contiguous"]["ratio"] > 0 and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
         res = run["baselines"][engine]
         assert ("decode_ms" in res) != bool(res.get("skipped")), res
+    if "decode_ms" in run["baselines"]["llama.cpp"]:  # paired per round with ours
+        lc = run["baselines"]["llama.cpp"]
+        for c in contexts:
+            pair = ours["vs_llamacpp"]["decode"][c]
+            assert len(pair["rounds"]) == rounds
+            assert pair["rounds"][0] == lc["decode_ms_rounds"][c][0] / ours["decode_ms_rounds"][c][0]
+    else:
+        assert "vs_llamacpp" not in ours
     md = (out / "bench.md").read_text()
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
     png = (out / "bench.png").read_bytes()
