@@ -3,7 +3,7 @@ Llama-family decoder.
 
 Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symbolic):
   decode(token_ids (1,) int32, block_table (1, cap) int32, context_len Prim int64,
-         write_off Prim int64, kv_pools Tuple[2 L x (num_blocks, bs, Hkv, D)], params Tuple)
+         write_off Prim int64, kv_pools Tuple[2 L x (num_blocks, Hkv, bs, D)], params Tuple)
          -> logits (1, vocab) float32
   decode_dev(token_ids, block_table, context_len (1,) int64, write_off (1,) int64, kv_pools,
              params) -> logits (1, vocab) float32 -- decode with both scalars in tensors
@@ -135,7 +135,7 @@ class _Builder:
 def _pool_and_param_vars(spec: BuildSpec):
     cfg = spec.config
     nb = tirx.Var("num_blocks", "int64")
-    pool_ty = relax.TensorType([nb, spec.block_size, cfg.n_kv_heads, cfg.head_dim], spec.cache_dtype)
+    pool_ty = relax.TensorType([nb, cfg.n_kv_heads, spec.block_size, cfg.head_dim], spec.cache_dtype)
     pools = relax.Var("kv_pools", relax.TupleType([pool_ty] * (2 * cfg.n_layers)))
     params = relax.Var("params", relax.TupleType(
         [relax.TensorType(list(s.shape), s.dtype) for s in param_specs(cfg, spec.weight_dtype)]))

@@ -1,6 +1,6 @@
 """The paged KV pool: pool tensors, a block allocator with ref counts, and per-sequence handles.
 
-Layout: ``2 * n_layers`` tensors of shape ``(num_blocks, block_size, n_kv_heads, head_dim)`` and
+Layout: ``2 * n_layers`` tensors of shape ``(num_blocks, n_kv_heads, block_size, head_dim)`` and
 dtype ``cache_dtype``, ordered ``(k0, v0, k1, v1, ...)``, allocated once per pool.  A sequence
 (:class:`SessionHandle`) owns a list of physical block ids; its logical position ``pos`` lives in
 block ``blocks[pos // block_size]`` at slot ``pos % block_size``, i.e. at the flattened row
@@ -100,7 +100,7 @@ class PagedKVCache:
 
     @property
     def pools(self) -> tuple:
-        """``(k0, v0, k1, v1, ...)``, each ``(num_blocks, block_size, n_kv_heads, head_dim)``."""
+        """``(k0, v0, k1, v1, ...)``, each ``(num_blocks, n_kv_heads, block_size, head_dim)``."""
         return self._pools
 
     @property
@@ -181,7 +181,7 @@ class PagedKVCache:
         return int(budget) // self.bytes_per_block
 
     def _new_tensor(self):
-        shape = (self.num_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+        shape = (self.num_blocks, self.n_kv_heads, self.block_size, self.head_dim)
         try:
             tensor = tvm.runtime.empty(shape, self.cache_dtype, self.device)
         except Exception as e:  # TVM raises its own error types for out-of-memory

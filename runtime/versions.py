@@ -2,7 +2,7 @@
 
 PACKAGE_VERSION = "0.1.0"
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
-ABI_VERSION = 1
+ABI_VERSION = 2
 MANIFEST_FORMAT = 1
 WEIGHTS_FORMAT = 1
 

@@ -17,6 +17,7 @@ import pytest
 from paged_decode.compile import api, build as build_mod
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError, ConfigError
+from paged_decode.runtime.versions import ABI_VERSION
 
 OPTS = dict(block_size=4, max_context=64)
 REBUILD = (r"paged-compile --model tiny --target llvm\S* --block-size 4 --max-blocks-cap 16 "
@@ -77,7 +78,7 @@ DAMAGE = {
     "other_package_version": (lambda p: _edit_manifest(p, _set_key("package_version", "0.0.9")),
                               r"built with package_version='0\.0\.9'"),
     "other_abi_version": (lambda p: _edit_manifest(p, _set_key("abi_version", 0)),
-                          r"built with abi_version=0, this runtime has 1"),
+                          rf"built with abi_version=0, this runtime has {ABI_VERSION}"),
     "other_manifest_format": (
         lambda p: _edit_manifest(p, lambda m: m.__setitem__("manifest_format", 99)),
         r"built with manifest_format=99"),

@@ -432,10 +432,12 @@ CASES = [
 def _rows(pool: PagedKVCache, blocks, n_positions=None) -> list[bytes]:
     """The pool bytes of ``blocks`` (or only of their first ``n_positions`` positions)."""
     if n_positions is None:
-        rows = [b * BS + s for b in blocks for s in range(BS)]
+        pos = [(b, s) for b in blocks for s in range(BS)]
     else:
-        rows = [blocks[p // BS] * BS + p % BS for p in range(n_positions)]
-    return [t.numpy().reshape(-1, *t.shape[2:])[rows].tobytes() for t in pool.pools]
+        pos = [(blocks[p // BS], p % BS) for p in range(n_positions)]
+    blk = np.array([b for b, _ in pos], np.int64)
+    slot = np.array([s for _, s in pos], np.int64)
+    return [t.numpy()[blk, :, slot].tobytes() for t in pool.pools]  # (blocks, Hkv, bs, D)
 
 
 def _state(w: World):

@@ -31,11 +31,17 @@ def _t(a):
     return tvm.runtime.tensor(np.ascontiguousarray(a))
 
 
+def slots(pool):
+    """A pool ``(blocks, Hkv, block_size, D)`` viewed as ``(blocks, block_size, Hkv, D)``: index
+    ``[block, slot]`` for one position's K or V heads."""
+    return pool.transpose(0, 2, 1, 3)
+
+
 def ref_attention(q, k_pool, v_pool, table, ctx):
     """q (Hq, D) against positions [0, ctx) gathered through the block table."""
     pos = np.arange(ctx)
-    k = k_pool[table[pos // BS], pos % BS].astype(np.float64)  # (ctx, Hkv, D)
-    v = v_pool[table[pos // BS], pos % BS].astype(np.float64)
+    k = slots(k_pool)[table[pos // BS], pos % BS].astype(np.float64)  # (ctx, Hkv, D)
+    v = slots(v_pool)[table[pos // BS], pos % BS].astype(np.float64)
     out = np.empty((HQ, D))
     for h in range(HQ):
         s = k[:, h // (HQ // HKV)] @ q[h].astype(np.float64) / np.sqrt(D)
@@ -56,8 +62,8 @@ def ref_rope(x, pos, inv_freq):
 def pools(request):
     cdt = request.param
     rng = np.random.default_rng(7)
-    k = rng.standard_normal((NB, BS, HKV, D)).astype(cdt)
-    v = rng.standard_normal((NB, BS, HKV, D)).astype(cdt)
+    k = rng.standard_normal((NB, HKV, BS, D)).astype(cdt)
+    v = rng.standard_normal((NB, HKV, BS, D)).astype(cdt)
     table = np.zeros((1, CAP), np.int32)
     table[0] = rng.permutation(NB)[:CAP]  # non-contiguous, permuted physical blocks
     return cdt, k, v, table
@@ -118,7 +124,7 @@ def test_kv_write_lands_exactly_at_offset(pools, ctx):
     kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((1, HQ * D), np.float32))
     _compiled(rope_kv_write_decode, HQ, HKV, D, BS, CAP, cdt)(
         _t(qkv), kt, vt, _t(inv_freq), _t(table), off, ctx, q_rot)
-    k2, v2 = kt.numpy(), vt.numpy()
+    k2, v2 = slots(kt.numpy()), slots(vt.numpy())
     blk, slot = divmod(off, BS)
     tol = TOL[cdt]
     np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[0, HQ * D:(HQ + HKV) * D], pos, inv_freq),
@@ -129,8 +135,8 @@ def test_kv_write_lands_exactly_at_offset(pools, ctx):
                                atol=TOL["float32"], rtol=0)
     untouched = np.ones((NB, BS), bool)
     untouched[blk, slot] = False
-    assert k2[untouched].tobytes() == k[untouched].tobytes()
-    assert v2[untouched].tobytes() == v[untouched].tobytes()
+    assert k2[untouched].tobytes() == slots(k)[untouched].tobytes()
+    assert v2[untouched].tobytes() == slots(v)[untouched].tobytes()
 
 
 @pytest.mark.parametrize("pools", ["float32"], indirect=True)
@@ -159,14 +165,14 @@ def test_kv_write_prefill_through_table(pools):
     kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((n, HQ * D), np.float32))
     _compiled(rope_kv_write_prefill, HQ, HKV, D, BS, CAP, cdt)(
         _t(qkv), kt, vt, _t(inv_freq), _t(table), start, q_rot)
-    k2 = kt.numpy()
+    k2 = slots(kt.numpy())
     touched = np.zeros((NB, BS), bool)
     for i in range(n):
         blk, slot = table[0, (start + i) // BS], (start + i) % BS
         touched[blk, slot] = True
         np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[i, HQ * D:(HQ + HKV) * D], start + i,
                                                            inv_freq), atol=TOL[cdt], rtol=TOL[cdt])
-    assert k2[~touched].tobytes() == k[~touched].tobytes()
+    assert k2[~touched].tobytes() == slots(k)[~touched].tobytes()
 
 
 def _ref_norm(x, g, eps=1e-5):

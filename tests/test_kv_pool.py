@@ -26,6 +26,11 @@ def views(pool):
     return [np.from_dlpack(t) for t in pool.pools]
 
 
+def at(view, off):
+    """The (Hkv, D) row of flattened offset ``off`` in a (blocks, Hkv, block_size, D) pool."""
+    return view[off // view.shape[2], :, off % view.shape[2]]
+
+
 def snapshot(pool, *handles):
     """Everything a failed call must leave unchanged."""
     return (pool.alloc_id, pool.allocator.state(), pool.owned_blocks(),
@@ -38,13 +43,13 @@ def append(pool, handle, values):
     for k, value in enumerate(values):
         off = handle.write_offset(handle.length + k)
         for i, view in enumerate(views(pool)):
-            view.reshape(-1, *view.shape[2:])[off] = value if i % 2 == 0 else -value
+            at(view, off)[...] = value if i % 2 == 0 else -value
     handle.advance(len(values))
 
 
 def read(pool, handle, pos):
     block = handle.blocks[pos // pool.block_size]
-    return [float(v[block, pos % pool.block_size, 0, 0]) for v in views(pool)]
+    return [float(v[block, 0, pos % pool.block_size, 0]) for v in views(pool)]
 
 
 def assert_tokens(pool, handle, values):
@@ -95,7 +100,7 @@ def test_pool_tensors(cache_dtype):
     pools = pool.pools
     assert isinstance(pools, tuple) and len(pools) == 2 * pool.n_layers
     for t in pools:
-        assert tuple(t.shape) == (5, BS, 1, 2) and str(t.dtype) == cache_dtype
+        assert tuple(t.shape) == (5, 1, BS, 2) and str(t.dtype) == cache_dtype
         assert not np.from_dlpack(t).any()
     itemsize = 4 if cache_dtype == "float32" else 2
     assert pool.bytes_per_block == 2 * 2 * BS * 1 * 2 * itemsize
@@ -306,7 +311,7 @@ def test_prepare_write_copies_an_earlier_block():
     child.prepare_write(1)
     assert child.blocks == (2, 1) and pool.allocator.refcount(0) == 1
     off = child.write_offset(1)
-    views(pool)[0].reshape(-1, 1, 2)[off] = 42.0
+    at(views(pool)[0], off)[...] = 42.0
     assert read(pool, parent, 1)[0] == 1.0 and read(pool, child, 1)[0] == 42.0
     child.prepare_write(1)  # already private: nothing happens
     assert child.blocks == (2, 1)

@@ -254,7 +254,8 @@ def _ref_attention(q, k_pool, v_pool, table, ctx, bs):
     """q (Hq, D) against positions [0, ctx) through the block table, float64."""
     hq, d = q.shape
     pos = np.arange(ctx)
-    k, v = (p[table[pos // bs], pos % bs].astype(np.float64) for p in (k_pool, v_pool))
+    k, v = (p.transpose(0, 2, 1, 3)[table[pos // bs], pos % bs].astype(np.float64)
+            for p in (k_pool, v_pool))  # (ctx, Hkv, D) from (blocks, Hkv, bs, D)
     g = hq // k.shape[1]
     out = np.empty((hq, d))
     for h in range(hq):
@@ -271,7 +272,7 @@ def test_gpu_paged_attention_decode_on_opencl(ctx):
 
     hq, hkv, d, bs, cap, nb = 9, 3, 64, 16, 20, 25
     rng = np.random.default_rng(ctx)
-    k, v = (rng.standard_normal((nb, bs, hkv, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((nb, hkv, bs, d)).astype(np.float32) for _ in range(2))
     table = rng.permutation(nb)[:cap].astype(np.int32)[None]
     q = rng.standard_normal((1, hq * d)).astype(np.float32)
     out = _launch(paged_attention_decode(hq, hkv, d, bs, cap, "float32"),
@@ -287,7 +288,7 @@ def test_gpu_prefill_attention_and_rope_on_opencl():
 
     hq, hkv, d, bs, cap, nb, n, start = 4, 2, 16, 4, 6, 11, 9, 3
     rng = np.random.default_rng(5)
-    k, v = (rng.standard_normal((nb, bs, hkv, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((nb, hkv, bs, d)).astype(np.float32) for _ in range(2))
     table = rng.permutation(nb)[:cap].astype(np.int32)[None]
     qkv = rng.standard_normal((n, (hq + 2 * hkv) * d)).astype(np.float32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
@@ -301,8 +302,8 @@ def test_gpu_prefill_attention_and_rope_on_opencl():
     x0, x1, c, s = x[..., :d // 2], x[..., d // 2:], np.cos(ang)[:, None], np.sin(ang)[:, None]
     rot = np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], -1)
     blk, slot = table[0, pos // bs], pos % bs
-    np.testing.assert_allclose(r["k_pool"][blk, slot], rot, atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(r["v_pool"][blk, slot],
+    np.testing.assert_allclose(r["k_pool"][blk, :, slot], rot, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(r["v_pool"][blk, :, slot],
                                   qkv[:, (hq + hkv) * d:].reshape(n, hkv, d))
     out = _launch(paged_attention_prefill(hq, hkv, d, bs, cap, "float32"),
                   dict(q=r["q_rot"], k_pool=r["k_pool"], v_pool=r["v_pool"], bt=table,

@@ -34,32 +34,29 @@ def cached(factory):
     return functools.lru_cache(maxsize=None)(factory)
 
 
-def tree_sum_macro(width: int, row0: bool = False):
-    """buf[0] (or buf[0, 0] with ``row0``) = sum of the first ``width`` lanes, by halving
-    (log2 steps of vector adds, not width-1 scalar adds); ``width`` a power of two <= 32.
-    Clobbers those lanes."""
+def lane_sum_macro(width: int):
+    """``lane_sum(buf, r)``: buf[r, 0] = sum of buf[r, 0:width] (``width`` a power of two), by
+    vector halving down to 4 lanes, then scalar adds (LLVM lowers 2- and 1-lane vector steps
+    through general registers).  Clobbers those lanes.  Callers reduce many rows in one loop,
+    so the rows' short chains overlap instead of ending each row's dot product serially."""
     assert width & (width - 1) == 0 and width <= 32, width
 
     @T.macro
-    def step(buf, h):
-        if row0:
-            for v in T.vectorized(h):
-                buf[0, v] = buf[0, v] + buf[0, v + h]
-        else:
-            for v in T.vectorized(h):
-                buf[v] = buf[v] + buf[v + h]
+    def half_step(buf, r, h):
+        for v in T.vectorized(h):
+            buf[r, v] = buf[r, v] + buf[r, v + h]
 
     @T.macro
-    def tree_sum(buf):
+    def lane_sum(buf, r):
         if width >= 32:
-            step(buf, 16)
+            half_step(buf, r, 16)
         if width >= 16:
-            step(buf, 8)
+            half_step(buf, r, 8)
         if width >= 8:
-            step(buf, 4)
+            half_step(buf, r, 4)
         if width >= 4:
-            step(buf, 2)
-        if width >= 2:
-            step(buf, 1)
+            buf[r, 0] = (buf[r, 0] + buf[r, 2]) + (buf[r, 1] + buf[r, 3])
+        elif width == 2:
+            buf[r, 0] = buf[r, 0] + buf[r, 1]
 
-    return tree_sum
+    return lane_sum

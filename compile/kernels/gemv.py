@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, cached, dtype_tag, finalize
+from .common import VL, cached, dtype_tag, finalize, lane_sum_macro
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -42,6 +42,7 @@ RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) togethe
 
 def _macros(K: int, eps: float):
     KO, KT = K // (VL * KU), K % (VL * KU)
+    lane_sum = lane_sum_macro(VL)
 
     @T.macro
     def normalize(x, g, xn):
@@ -93,11 +94,8 @@ def _macros(K: int, eps: float):
                 for v in T.vectorized(VL):
                     R[r, v] = T.float32(0)
         for r in range(RG):  # independent across rows: no serial chain per row
-            for v in T.vectorized(VL // 2):
-                R[r, v] = R[r, v] + R[r, v + VL // 2]
-            for v in T.vectorized(VL // 4):
-                R[r, v] = R[r, v] + R[r, v + VL // 4]
-            S[r] = (R[r, 0] + R[r, 2]) + (R[r, 1] + R[r, 3])
+            lane_sum(R, r)
+            S[r] = R[r, 0]
 
     return normalize, tile_rows
 

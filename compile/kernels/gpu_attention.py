@@ -11,7 +11,7 @@ RoPE + KV write: one block per head (q | k | v heads of the qkv row), one thread
 pair (d, d + D/2); prefill adds the token as a second grid dimension.
 
 Buffers (D = head_dim, n symbolic for prefill or 1 for decode):
-  attention: q (n, Hq D) float32, k_pool / v_pool (num_blocks, block_size, Hkv, D) cache dtype,
+  attention: q (n, Hq D) float32, k_pool / v_pool (num_blocks, Hkv, block_size, D) cache dtype,
              block_table (1, max_blocks_cap) int32, context_len | start_pos int64
              -> out (n, Hq D) float32
   rope_kv:   qkv (n, (Hq + 2 Hkv) D) float32, k_pool, v_pool (written in place),
@@ -67,8 +67,8 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
                         st[3] = T.float32(0)
                         for d in range(D):
                             st[3] = st[3] + qs[d] * T.Cast("float32", k_pool[
-                                T.Cast("int64", bt[0, (c * NT + tx) // bs]), (c * NT + tx) % bs,
-                                h // G, d])
+                                T.Cast("int64", bt[0, (c * NT + tx) // bs]), h // G,
+                                (c * NT + tx) % bs, d])
                         st[3] = st[3] * T.float32(scale)
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 block_max(tx, st, 3, mx, 0)
@@ -87,8 +87,8 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
                         if 0 <= bt[0, (c * NT + j * PG + tx // D) // bs] and T.Cast(
                                 "int64", bt[0, (c * NT + j * PG + tx // D) // bs]) < nb:
                             st[4] = st[4] + ps[j * PG + tx // D] * T.Cast("float32", v_pool[
-                                T.Cast("int64", bt[0, (c * NT + j * PG + tx // D) // bs]),
-                                (c * NT + j * PG + tx // D) % bs, h // G, tx % D])
+                                T.Cast("int64", bt[0, (c * NT + j * PG + tx // D) // bs]), h // G,
+                                (c * NT + j * PG + tx // D) % bs, tx % D])
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             accs[tx] = st[4]
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -130,8 +130,8 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
              bt: T.Buffer((1, cap), "int32"), context_len: T.int64,
              out: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             body(q, k_pool, v_pool, bt, out, context_len)
@@ -152,8 +152,8 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
              bt: T.Buffer((1, cap), "int32"), context_len: T.Buffer((1,), "int64"),
              out: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             body(q, k_pool, v_pool, bt, out,
                  T.max(T.min(context_len[0], T.int64(cap * bs)), T.int64(0)))
@@ -172,8 +172,8 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
     def func(var_q: T.handle, var_k: T.handle, var_v: T.handle,
              bt: T.Buffer((1, cap), "int32"), start_pos: T.int64, var_out: T.handle):
         q = T.match_buffer(var_q, (n, Hq * D), "float32")
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         out = T.match_buffer(var_out, (n, Hq * D), "float32")
         with T.sblock("root"):
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
@@ -207,11 +207,11 @@ def _rope_macro(Hq, Hkv, D, cdt):
             q_rot[i, hd * D + d + half] = x1 * c + x0 * s
         elif hd < Hq + Hkv:
             if ok:
-                k_pool[blk, slot, hd - Hq, d] = T.Cast(cdt, x0 * c - x1 * s)
-                k_pool[blk, slot, hd - Hq, d + half] = T.Cast(cdt, x1 * c + x0 * s)
+                k_pool[blk, hd - Hq, slot, d] = T.Cast(cdt, x0 * c - x1 * s)
+                k_pool[blk, hd - Hq, slot, d + half] = T.Cast(cdt, x1 * c + x0 * s)
         elif ok:
-            v_pool[blk, slot, hd - Hq - Hkv, d] = T.Cast(cdt, x0)
-            v_pool[blk, slot, hd - Hq - Hkv, d + half] = T.Cast(cdt, x1)
+            v_pool[blk, hd - Hq - Hkv, slot, d] = T.Cast(cdt, x0)
+            v_pool[blk, hd - Hq - Hkv, slot, d + half] = T.Cast(cdt, x1)
 
     return rope_write
 
@@ -243,8 +243,8 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
     def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              write_off: T.int64, context_len: T.int64, q_rot: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             assert 0 <= write_off and write_off < nb * bs, "write_off outside the pool"
@@ -270,8 +270,8 @@ def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: in
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              write_off: T.Buffer((1,), "int64"), context_len: T.Buffer((1,), "int64"),
              q_rot: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             body(qkv, k_pool, v_pool, inv_freq, q_rot, write_off[0], context_len[0],
                  1 <= context_len[0] and context_len[0] <= cap * bs
@@ -296,8 +296,8 @@ def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              start_pos: T.int64, var_q: T.handle):
         qkv = T.match_buffer(var_qkv, (n, QKV), "float32")
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         q_rot = T.match_buffer(var_q, (n, Hq * D), "float32")
         with T.sblock("root"):
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"

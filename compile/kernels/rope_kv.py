@@ -2,7 +2,7 @@
 
 Buffers (D = head_dim, QKV = (Hq + 2 Hkv) D, n symbolic for prefill or 1 for decode):
   qkv (n, QKV) float32 -- rows: q heads | k heads | v heads, straight from the qkv GEMV
-  k_pool, v_pool (num_blocks, block_size, Hkv, D) cache dtype -- written in place
+  k_pool, v_pool (num_blocks, Hkv, block_size, D) cache dtype -- written in place
   inv_freq (D/2,) float32 -- RoPE frequencies (llama3 scaling already applied)
   block_table (1, max_blocks_cap) int32
   decode:  write_off, context_len int64 -- writes position context_len - 1 at the flattened
@@ -37,11 +37,11 @@ def _rope_macro(Hq, Hkv, D, cdt):
             ang = T.Cast("float32", pos) * inv_freq[d]
             k0 = qkv[i, (Hq + h) * D + d]
             k1 = qkv[i, (Hq + h) * D + d + half]
-            k_pool[blk, slot, h, d] = T.Cast(cdt, k0 * T.cos(ang) - k1 * T.sin(ang))
-            k_pool[blk, slot, h, d + half] = T.Cast(cdt, k1 * T.cos(ang) + k0 * T.sin(ang))
+            k_pool[blk, h, slot, d] = T.Cast(cdt, k0 * T.cos(ang) - k1 * T.sin(ang))
+            k_pool[blk, h, slot, d + half] = T.Cast(cdt, k1 * T.cos(ang) + k0 * T.sin(ang))
         for h in range(Hkv):
             for d in T.vectorized(D):
-                v_pool[blk, slot, h, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])
+                v_pool[blk, h, slot, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])
 
     return rope_write
 
@@ -75,8 +75,8 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
     def func(qkv: T.Buffer((1, QKV), "float32"), var_k: T.handle, var_v: T.handle,
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              write_off: T.int64, context_len: T.int64, q_rot: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             body(qkv, k_pool, v_pool, inv_freq, bt, q_rot, write_off, context_len)
 
@@ -96,8 +96,8 @@ def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: in
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              write_off: T.Buffer((1,), "int64"), context_len: T.Buffer((1,), "int64"),
              q_rot: T.Buffer((1, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             body(qkv, k_pool, v_pool, inv_freq, bt, q_rot, write_off[0], context_len[0])
 
@@ -117,8 +117,8 @@ def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
              inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((1, cap), "int32"),
              start_pos: T.int64, var_q: T.handle):
         qkv = T.match_buffer(var_qkv, (n, QKV), "float32")
-        k_pool = T.match_buffer(var_k, (nb, bs, Hkv, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, bs, Hkv, D), cdt)
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         q_rot = T.match_buffer(var_q, (n, Hq * D), "float32")
         with T.sblock("root"):
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
