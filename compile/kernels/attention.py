@@ -25,20 +25,36 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, finalize, lane_sum_macro, pick_tile
+from .common import CACHE_LINE, cached, dtype_tag, finalize, lane_sum_macro, pick_tile, prefetch_l2
 from .fastmath import fexp
 from .linear import token_dim
 
 
 PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially
+# A block of one head is a single block_size x D run (4 KB in f32 at D 64), which the hardware
+# prefetcher meets cold at every block (it does not follow the table); the kernel prefetches the
+# block PREFETCH_BLOCKS ahead into L2 instead.  At 160M shape, context 1024, with the pools out of
+# cache, that made attention 1.6-1.8x faster (scattered table, f32 and f16).
+PREFETCH_BLOCKS = 2
 
 
-def _attend_macro(Hq, Hkv, D, bs, cap):
+def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     """Attention of the ``group`` query heads sharing kv head ``kvh``: each block's K/V rows come
     from memory once for the whole group (the group re-reads them from L1)."""
     G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
     DV = pick_tile(D, (16, 8, 4, 2, 1))
     lane_sum = lane_sum_macro(DV)
+    per_line = CACHE_LINE // {"float32": 4, "float16": 2}[cdt]  # elements per cache line
+
+    @T.macro
+    def prefetch_block(k_pool, v_pool, bt, kvh, b, n_blocks):
+        """Prefetch the K and V rows of head ``kvh`` in the block ``b`` of the table, if any."""
+        if b < n_blocks:
+            for line in range(-(-(bs * D) // per_line)):
+                prefetch_l2(T.address_of(k_pool[T.Cast("int64", bt[0, b]), kvh,
+                                                line * per_line // D, line * per_line % D]))
+                prefetch_l2(T.address_of(v_pool[T.Cast("int64", bt[0, b]), kvh,
+                                                line * per_line // D, line * per_line % D]))
 
     @T.macro
     def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx):
@@ -53,6 +69,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap):
                 acc[g, d] = T.float32(0)
         for b in range((ctx + bs - 1) // bs):
             pb = T.Cast("int64", bt[0, b])
+            prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
             for g, t in T.grid(G, bs):
                 s[g, t] = T.float32(-3.0e38)
             for g in range(G):  # q.K for the block's rows, reduced together (no serial chain)
@@ -89,10 +106,10 @@ def _attend_macro(Hq, Hkv, D, bs, cap):
     return attend
 
 
-def _decode_body(Hq, Hkv, D, bs, cap, nb):
+def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    attend = _attend_macro(Hq, Hkv, D, bs, cap)
+    attend = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
@@ -113,7 +130,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb):
 def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """One query token per head against context_len cached positions."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_body(Hq, Hkv, D, bs, cap, nb)
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -131,7 +148,7 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
 def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """``paged_attention_decode`` with ``context_len`` read from a (1,) int64 buffer."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_body(Hq, Hkv, D, bs, cap, nb)
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -148,7 +165,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 @cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    attend = _attend_macro(Hq, Hkv, D, block_size, cap)
+    attend = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     n = token_dim(None)
 

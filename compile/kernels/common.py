@@ -34,6 +34,15 @@ def cached(factory):
     return functools.lru_cache(maxsize=None)(factory)
 
 
+CACHE_LINE = 64  # bytes
+
+
+def prefetch_l2(address):
+    """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) into L2
+    (``llvm.prefetch``: read, locality 2); never faults, so it needs no bounds check."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
 def lane_sum_macro(width: int):
     """``lane_sum(buf, r)``: buf[r, 0] = sum of buf[r, 0:width] (``width`` a power of two), by
     vector halving down to 4 lanes, then scalar adds (LLVM lowers 2- and 1-lane vector steps
