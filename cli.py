@@ -149,14 +149,17 @@ def cache_cmd(artifacts, clear):
               default=["float32", "float16"], show_default=True,
               help="weight and KV-cache dtype (repeatable)")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
+@click.option("--rounds", type=click.IntRange(1, 100), default=None,
+              help="rounds of back-to-back measurements, ratios paired per round "
+                   "[default: 4, --quick 2]")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @_clean_errors
-def bench_cmd(models, out, dtypes, quick, artifacts):
+def bench_cmd(models, out, dtypes, quick, rounds, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.compile.bench import run_bench
 
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
-                       dtypes=tuple(dtypes), progress=_progress)
+                       dtypes=tuple(dtypes), rounds=rounds, progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
 

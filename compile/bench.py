@@ -295,10 +295,13 @@ def _hf(model: str, dtype: str, cfg: dict, say) -> dict:
 
 
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
-              dtypes=("float32", "float16"), progress: Callable[[str], None] | None = None) -> dict:
+              dtypes=("float32", "float16"), rounds: int | None = None,
+              progress: Callable[[str], None] | None = None) -> dict:
     """Run every measurement for each model x dtype; write bench.json, bench.md, bench.png."""
     say = progress or (lambda _m: None)
-    cfg = QUICK if quick else FULL
+    cfg = dict(QUICK if quick else FULL)
+    if rounds is not None:
+        cfg["rounds"] = rounds
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS")},

@@ -11,7 +11,7 @@ from paged_decode.cli import bench_cmd
 
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     out = tmp_path / "bench"
-    result = CliRunner().invoke(bench_cmd, ["--model", "tiny", "--quick", "--dtype", "float32",
+    result = CliRunner().invoke(bench_cmd, ["--model", "tiny", "--quick", "--rounds", "3", "--dtype", "float32",
                                             "--out", str(out), "--artifacts", str(artifact_root)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
@@ -23,6 +23,7 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert all(v > 0 for v in ours["decode_ms"].values())
     assert all(run["floor_ms"][c] > 0 for c in contexts)
     rounds = report["settings"]["rounds"]
+    assert rounds == 3
     assert len(run["bandwidth_rounds"]) == rounds
     assert all(len(v) == rounds for v in ours["decode_ms_rounds"].values())
     for c in contexts:
