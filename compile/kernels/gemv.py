@@ -11,6 +11,9 @@ rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (pe
 reductions cost a third of an f16 GEMV's time when its weights sit in cache).  Small matrices
 run serially: waking the thread pool costs more than they do.
 
+SwiGLU reads a chunk's gate rows, then its up rows (two long runs, 0.83 -> 0.9-1.0 of the
+streaming-read bandwidth at the 160M and 1.1B shapes, against switching every RG rows).
+
 Buffers (float32 activations; W in the weight dtype; N, K static):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
   SwiGLU: W (2I, K) gate rows then up rows -> act (1, I) = silu(gate) * up
@@ -85,8 +88,9 @@ def _macros(K: int, eps: float):
             R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
 
     @T.macro
-    def tile_rows(xs, W, acc, R, S, row0, n_valid):
-        """S[r] = xs . W[row0 + r, :] for the first ``n_valid`` rows of an RG-row tile, 0 after."""
+    def tile_rows(xs, W, acc, R, S, s0, row0, n_valid):
+        """S[s0 + r] = xs . W[row0 + r, :] for the first ``n_valid`` rows of an RG-row tile, 0
+        after."""
         for r in range(RG):
             if r < n_valid:
                 dot_row(xs, W, acc, R, r, row0 + r)
@@ -95,7 +99,7 @@ def _macros(K: int, eps: float):
                     R[r, v] = T.float32(0)
         for r in range(RG):  # independent across rows: no serial chain per row
             lane_sum(R, r)
-            S[r] = R[r, 0]
+            S[s0 + r] = R[r, 0]
 
     return normalize, tile_rows
 
@@ -129,7 +133,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
             R = T.decl_buffer((RG, VL), "float32", scope="local")
             S = T.decl_buffer((RG,), "float32", scope="local")
             for t in range(tiles):
-                tile_rows(xs, W, acc, R, S, c * per + t * RG, valid(N, c, t))
+                tile_rows(xs, W, acc, R, S, 0, c * per + t * RG, valid(N, c, t))
                 for r in range(RG):
                     if r < valid(N, c, t):
                         epilogue_store(y, bias, res, S, c * per + t * RG + r, r)
@@ -164,16 +168,17 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
             for c in loop(chunks):
                 acc = T.decl_buffer((KU, VL), "float32", scope="local")
                 R = T.decl_buffer((RG, VL), "float32", scope="local")
-                gate = T.decl_buffer((RG,), "float32", scope="local")
-                up = T.decl_buffer((RG,), "float32", scope="local")
-                out = T.decl_buffer((RG,), "float32", scope="local")
+                gate = T.decl_buffer((tiles * RG,), "float32", scope="local")
+                up = T.decl_buffer((tiles * RG,), "float32", scope="local")
+                # all of the chunk's gate rows, then all of its up rows: two long contiguous
+                # runs (alternating every RG rows cut the stream every RG rows)
                 for t in range(tiles):
-                    tile_rows(xn, W, acc, R, gate, c * per + t * RG, valid(I, c, t))
-                    tile_rows(xn, W, acc, R, up, I + c * per + t * RG, valid(I, c, t))
-                    for r in T.vectorized(RG):
-                        out[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
-                    for r in range(RG):
-                        if r < valid(I, c, t):
-                            act[0, c * per + t * RG + r] = out[r]
+                    tile_rows(xn, W, acc, R, gate, t * RG, c * per + t * RG, valid(I, c, t))
+                for t in range(tiles):
+                    tile_rows(xn, W, acc, R, up, t * RG, I + c * per + t * RG, valid(I, c, t))
+                for r in T.vectorized(tiles * RG):
+                    gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
+                for r in range(T.min(per, I - c * per)):
+                    act[0, c * per + r] = gate[r]
 
     return finalize(func, f"gemv_swiglu_{I}x{K}_{dtype_tag(wdt)}")
