@@ -9,7 +9,7 @@ import pytest
 import tvm
 
 from paged_decode.compile.kernels.attention import paged_attention_decode, paged_attention_prefill
-from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu
+from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, x_dtype
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
 from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
@@ -214,6 +214,30 @@ def test_decode_gemv(wdt, N, K, epilogue, norm):
     args = [_t(x)] + ([_t(g)] if norm else []) + [_t(w)] + ([] if extra is None else [_t(extra)])
     _compiled(gemv, N, K, wdt, epilogue, 1e-5 if norm else None)(*args, y)
     np.testing.assert_allclose(y.numpy(), ref, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_decode_gemv_large_k_reads_x_in_half_for_half_weights(norm):
+    """K > 4096 with float16 weights: the input vector (normalised or not) is rounded to float16
+    once, then every product is exact in float32 -- against numpy doing the same rounding."""
+    N, K = 300, 4608
+    assert x_dtype(K, "float16") == "float16" and x_dtype(K, "float32") == "float32"
+    assert x_dtype(4096, "float16") == "float32"
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    g = rng.standard_normal(K).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float16)
+    res = rng.standard_normal((1, N)).astype(np.float32)
+    xs = (_ref_norm(x, g) if norm else x).astype(np.float16).astype(np.float64)
+    ref = xs @ w.astype(np.float64).T + (0 if norm else res)
+    y = _t(np.zeros((1, N), np.float32))
+    if norm:
+        _compiled(gemv, N, K, "float16", "none", 1e-5)(_t(x), _t(g), _t(w), y)
+    else:
+        _compiled(gemv, N, K, "float16", "residual", None)(_t(x), _t(w), _t(res), y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=2e-3, rtol=1e-5)
+    full = (_ref_norm(x, g) if norm else x.astype(np.float64)) @ w.astype(np.float64).T
+    assert np.abs(y.numpy() - (0 if norm else res) - full).max() < 0.5  # rounding, not garbage
 
 
 def _ref_swiglu(xn, w, inter):
