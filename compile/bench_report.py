@@ -10,7 +10,7 @@ def _fmt(x, digits=2):
     return "—" if x is None else f"{x:.{digits}f}"
 
 
-def _spread(d: dict, digits: int = 2) -> str:
+def _fmt_spread(d: dict, digits: int = 2) -> str:
     return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
 
 
@@ -58,10 +58,10 @@ def markdown(report: dict) -> str:
     for run in report["runs"]:
         o = run["ours"]
         vs = o.get("vs_llamacpp")
-        dec = [_spread(vs["decode"][c]) if vs else "—" for c in contexts]
-        pre = ", ".join(f"{p}: {_spread(v)}" for p, v in vs["prefill"].items()) if vs else "—"
+        dec = [_fmt_spread(vs["decode"][c]) if vs else "—" for c in contexts]
+        pre = ", ".join(f"{p}: {_fmt_spread(v)}" for p, v in vs["prefill"].items()) if vs else "—"
         lines.append(f"| {run['model']} | {run['dtype']} | {_fmt(o['compile_seconds'], 1)} | "
-                     f"{_fmt(o['load_seconds'])} | {_spread(o['paged_vs_contiguous']['ratio_spread'], 3)} | "
+                     f"{_fmt(o['load_seconds'])} | {_fmt_spread(o['paged_vs_contiguous']['ratio_spread'], 3)} | "
                      f"{_fmt(o['replan']['ratio'], 1)} | " + " | ".join(dec) + f" | {pre} |")
     for run in report["runs"]:
         if "host_overhead" in run["ours"]:
