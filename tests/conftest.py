@@ -118,20 +118,25 @@ def artifact_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("artifacts")
 
 
+def _memoised(fn):
+    """``fn(model, **opts)`` computed once per (model, options) for the test session."""
+    done: dict = {}
+
+    def call(model, **opts):
+        key = (str(model), tuple(sorted(opts.items())))
+        if key not in done:
+            done[key] = fn(model, **opts)
+        return done[key]
+
+    return call
+
+
 @pytest.fixture(scope="session")
 def build(artifact_root):
     """build(model, **prepare_options) -> Prepared, memoised per test session."""
     from paged_decode.compile.api import prepare
 
-    done: dict = {}
-
-    def _build(model, **opts):
-        key = (str(model), tuple(sorted(opts.items())))
-        if key not in done:
-            done[key] = prepare(str(model), artifacts=artifact_root, **opts)
-        return done[key]
-
-    return _build
+    return _memoised(lambda model, **opts: prepare(str(model), artifacts=artifact_root, **opts))
 
 
 @pytest.fixture(scope="session")
@@ -139,17 +144,12 @@ def load(build):
     """load(model, **prepare_options) -> (Artifact, WeightPack), loaded once per session."""
     from paged_decode.runtime.artifact import load_artifact, load_weights
 
-    done: dict = {}
-
     def _load(model, **opts):
-        key = (str(model), tuple(sorted(opts.items())))
-        if key not in done:
-            prepared = build(model, **opts)
-            artifact = load_artifact(prepared.artifact_dir)
-            done[key] = (artifact, load_weights(prepared.weights_dir, artifact))
-        return done[key]
+        prepared = build(model, **opts)
+        artifact = load_artifact(prepared.artifact_dir)
+        return artifact, load_weights(prepared.weights_dir, artifact)
 
-    return _load
+    return _memoised(_load)
 
 
 def make_pool(artifact, num_blocks: int):
