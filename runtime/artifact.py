@@ -21,6 +21,7 @@ import tvm
 from tvm import relax
 
 from .errors import ArtifactError, WeightsError
+from .host_memory import HostArena, to_tvm
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
 
 
@@ -186,9 +187,12 @@ def _layout_difference(got: list, want: list) -> str:
 
 
 def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
-    """Load params.safetensors into device tensors in the order the artifact expects."""
-    from safetensors.numpy import load_file
+    """Load params.safetensors into device tensors in the order the artifact expects.
 
+    On the CPU the file is read straight into one huge-page-backed arena
+    (:mod:`.host_memory`) that the tensors then share without a copy; on a GPU each tensor is
+    read into host memory and copied over.
+    """
     path = Path(path)
     hint = f"convert the weights again with `paged-compile --model {artifact.manifest['name']}`"
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
@@ -202,19 +206,73 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
             f"artifact {artifact.path.name} of {artifact.manifest['name']!r} "
             f"({_layout_difference(meta.get('params') or [], want)}); use the weight pack "
             "prepare() returned with this artifact")
+    file = path / "params.safetensors"
+    on_cpu = artifact.device.dlpack_device_type() == _KDL_CPU
     try:
-        arrays = load_file(str(path / "params.safetensors"))
-    except Exception as e:  # safetensors raises its own error type for damaged files
-        raise WeightsError(f"{path}/params.safetensors is missing or damaged ({e}); {hint}") from e
-    return WeightPack(path, meta, tuple(_to_device(arrays, p, path, hint, artifact.device)
-                                        for p in want))
+        with open(file, "rb", buffering=0) as f:
+            entries, base = _safetensors_index(f, os.fstat(f.fileno()).st_size)
+            for name, shape, dtype in want:
+                got = entries.get(name)
+                if got is None or got[0] != list(shape) or got[1] != dtype:
+                    got_s = None if got is None else f"{got[0]} {got[1]}"
+                    raise WeightsError(f"{file}: tensor {name} is {got_s}, weights.json says "
+                                       f"{list(shape)} {dtype}; {hint}")
+            arena = HostArena.for_arrays([(s, d) for _n, s, d in want]) if on_cpu else None
+            hosts = {n: arena.take(tuple(s), d) if arena else np.empty(s, d) for n, s, d in want}
+            for name in sorted(hosts, key=lambda n: entries[n][2]):  # in file order
+                _read_exactly(f, base + entries[name][2], hosts[name])
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{file} is missing or damaged ({e}); {hint}") from e
+    tensors = (to_tvm(hosts[n]) if on_cpu else tvm.runtime.tensor(hosts[n], artifact.device)
+               for n, _s, _d in want)
+    return WeightPack(path, meta, tuple(tensors))
 
 
-def _to_device(arrays: dict, param: list, path: Path, hint: str, device):
-    name, shape, dtype = param
-    arr = arrays.get(name)
-    if arr is None or list(arr.shape) != list(shape) or str(arr.dtype) != dtype:
-        got = None if arr is None else f"{list(arr.shape)} {arr.dtype}"
-        raise WeightsError(f"{path}/params.safetensors: tensor {name} is {got}, weights.json "
-                           f"says {list(shape)} {dtype}; {hint}")
-    return tvm.runtime.tensor(np.ascontiguousarray(arr), device)
+_KDL_CPU = 1  # DLPack device type of host memory
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "I32": "int32", "I8": "int8",
+                       "U8": "uint8"}
+
+
+def _safetensors_index(f, size: int) -> tuple[dict, int]:
+    """``{name: (shape, dtype, offset)}`` from a safetensors header, every entry checked against
+    the file's size, and the offset where the data starts."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+    n = int.from_bytes(head, "little")
+    if n > size - 8:
+        raise ValueError(f"header of {n} bytes in a file of {size}")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    base, entries = 8 + n, {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(e.get("dtype")) if isinstance(e, dict) else None
+        shape, offsets = (e.get("shape"), e.get("data_offsets")) if dtype else (None, None)
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)):
+            raise ValueError(f"tensor {name}: entry {e!r} is not a supported tensor")
+        start, end = offsets
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not 0 <= start <= end <= size - base or end - start != nbytes:
+            raise ValueError(f"tensor {name}: bytes {start}..{end} do not hold {shape} {dtype} "
+                             f"inside the file's {size - base} data bytes")
+        entries[name] = (shape, dtype, start)
+    return entries, base
+
+
+def _read_exactly(f, offset: int, out: np.ndarray) -> None:
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ValueError(f"file ends {len(view) - done} bytes early")
+        done += got

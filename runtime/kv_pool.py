@@ -34,6 +34,7 @@ import tvm
 
 from paged_decode.runtime.block_allocator import BlockAllocator, is_count
 from paged_decode.runtime.errors import CapacityError, ConfigError, HandleError, InputError
+from paged_decode.runtime.host_memory import HostArena, to_tvm
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PagedKVCache:
         self.num_blocks = self._resolve_num_blocks(num_blocks, memory_budget_bytes)
         self.device = tvm.cpu() if device is None else device
         self._lock = threading.RLock()
-        self._pools = tuple(self._new_tensor() for _ in range(2 * self.n_layers))
+        self._pools = self._new_tensors()
         self._host_views = self._make_host_views()
         self._allocator = BlockAllocator(self.num_blocks)
         self._handles: dict[int, SessionHandle] = {}
@@ -180,19 +181,31 @@ class PagedKVCache:
                 "raise the budget or shrink block_size")
         return int(budget) // self.bytes_per_block
 
-    def _new_tensor(self):
-        shape = (self.num_blocks, self.n_kv_heads, self.block_size, self.head_dim)
+    @property
+    def _tensor_shape(self) -> tuple:
+        return (self.num_blocks, self.n_kv_heads, self.block_size, self.head_dim)
+
+    def _new_tensors(self) -> tuple:
+        """The 2 * n_layers zeroed pool tensors: slices of one host arena on the CPU (huge
+        pages, see :mod:`.host_memory`), device allocations elsewhere."""
+        shape, n = self._tensor_shape, 2 * self.n_layers
         try:
-            tensor = tvm.runtime.empty(shape, self.cache_dtype, self.device)
-        except Exception as e:  # TVM raises its own error types for out-of-memory
+            if self.device.dlpack_device_type() == _KDL_CPU:
+                arena = HostArena.for_arrays([(shape, self.cache_dtype)] * n)
+                hosts = [arena.take(shape, self.cache_dtype) for _ in range(n)]
+                for host in hosts:
+                    host[...] = 0  # touch every page now, not during the first decode steps
+                return tuple(to_tvm(host) for host in hosts)
+            tensors = tuple(tvm.runtime.empty(shape, self.cache_dtype, self.device)
+                            for _ in range(n))
+        except Exception as e:  # mmap and TVM raise their own error types for out-of-memory
             raise PoolConfigError(
-                f"could not allocate a KV pool tensor {shape} {self.cache_dtype} on {self.device} "
-                f"({self.nbytes} bytes in all); lower num_blocks or the memory budget") from e
-        if self.device.dlpack_device_type() == _KDL_CPU:
-            np.from_dlpack(tensor)[...] = 0
-        else:
+                f"could not allocate {n} KV pool tensors {shape} {self.cache_dtype} on "
+                f"{self.device} ({self.nbytes} bytes in all); lower num_blocks or the memory "
+                "budget") from e
+        for tensor in tensors:
             tensor.copyfrom(np.zeros(shape, dtype=self.cache_dtype))
-        return tensor
+        return tensors
 
     def _make_host_views(self):
         if self.device.dlpack_device_type() != _KDL_CPU:

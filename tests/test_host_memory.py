@@ -1,0 +1,158 @@
+"""Host memory for weights and KV pools (runtime/host_memory.py) and the weight-pack reader.
+
+The reader is checked against the ``safetensors`` package's own reader (an independent
+implementation of the format); damaged files must be a ``WeightsError``, never a crash or a
+silently short tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paged_decode.runtime.artifact import load_artifact, load_weights
+from paged_decode.runtime.errors import WeightsError
+from paged_decode.runtime.host_memory import ALIGN, HostArena, to_tvm
+
+from .conftest import make_pool
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux smaps)."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            mapping = lo <= address < hi
+        elif line.startswith("VmFlags:") and mapping:
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_arena_slices_are_zeroed_page_aligned_and_disjoint():
+    specs = [((3, 5), "float32"), ((4097,), "uint8"), ((2, 2, 2), "float16")]
+    arena = HostArena.for_arrays(specs)
+    arrays = [arena.take(shape, dtype) for shape, dtype in specs]
+    for a, (shape, dtype) in zip(arrays, specs):
+        assert a.shape == shape and a.dtype == np.dtype(dtype)
+        assert _address(a) % ALIGN == 0
+        assert not a.any()
+        a[...] = 7
+    spans = sorted((_address(a), _address(a) + a.nbytes) for a in arrays)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert all((a == 7).all() for a in arrays)  # no slice overwrote another
+    with pytest.raises(MemoryError, match=r"no room for \(1,\) float32"):
+        arena.take((1,), "float32")
+
+
+def test_tvm_tensor_shares_the_arena_memory():
+    arena = HostArena([64])
+    host = arena.take((16,), "float32")
+    tensor = to_tvm(host)
+    host[3] = 5.0
+    assert tensor.numpy()[3] == 5.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists(),
+                    reason="transparent huge pages are a Linux feature; this kernel has none")
+def test_arena_is_advised_for_huge_pages_and_starts_on_one():
+    arena = HostArena([3 << 20])
+    host = arena.take((3 << 20,), "uint8")
+    assert _address(host) % (2 << 20) == 0
+    assert "hg" in _vm_flags(_address(host))  # MADV_HUGEPAGE applied to this mapping
+
+
+@pytest.fixture(scope="module")
+def tiny(build):
+    return build("tiny", block_size=4, max_context=64)
+
+
+def test_weights_equal_the_safetensors_reader_and_live_in_one_arena(tiny):
+    from safetensors.numpy import load_file
+
+    artifact = load_artifact(tiny.artifact_dir)
+    pack = load_weights(tiny.weights_dir, artifact)
+    reference = load_file(str(tiny.weights_dir / "params.safetensors"))
+    hosts = []
+    for (name, shape, dtype), tensor in zip(artifact.manifest["params"], pack.params):
+        host = np.from_dlpack(tensor)
+        np.testing.assert_array_equal(host, reference[name], err_msg=name)
+        assert list(host.shape) == list(shape) and str(host.dtype) == dtype
+        hosts.append(host)
+    addresses = sorted(_address(h) for h in hosts)
+    assert all(a % ALIGN == 0 for a in addresses)
+    if THP.exists() and sys.platform.startswith("linux"):
+        assert all("hg" in _vm_flags(a) for a in addresses)
+
+
+def test_pool_tensors_are_zeroed_arena_slices(tiny):
+    artifact = load_artifact(tiny.artifact_dir)
+    pool = make_pool(artifact, num_blocks=8)
+    for tensor in pool.pools:
+        host = np.from_dlpack(tensor)
+        assert _address(host) % ALIGN == 0 and not host.any()
+        if THP.exists() and sys.platform.startswith("linux"):
+            assert "hg" in _vm_flags(_address(host))
+
+
+def _damage_header(pack: Path, edit) -> None:
+    path = pack / "params.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n, "the edit must not lengthen the header"
+    path.write_bytes(data[:8] + text + data[8 + n:])
+
+
+def _first(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+DAMAGE = {
+    "truncated data": (lambda p: p.write_bytes(p.read_bytes()[:-100]), r"\d+ data bytes"),
+    "header longer than the file": (
+        lambda p: p.write_bytes((1 << 40).to_bytes(8, "little") + p.read_bytes()[8:]),
+        r"header of 1099511627776 bytes"),
+    "too short for the length": (lambda p: p.write_bytes(b"\x01\x02"), r"shorter than the 8"),
+    "header not JSON": (
+        lambda p: p.write_bytes(p.read_bytes()[:8] + b"{" * 20 + p.read_bytes()[28:]),
+        r"header is not JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_weight_file_is_a_weights_error(tiny, tmp_path, damage):
+    pack = Path(shutil.copytree(tiny.weights_dir, tmp_path / "pack"))
+    spoil, message = DAMAGE[damage]
+    spoil(pack / "params.safetensors")
+    artifact = load_artifact(tiny.artifact_dir)
+    with pytest.raises(WeightsError, match=r"params\.safetensors is missing or damaged"
+                       rf".*{message}.*paged-compile --model tiny"):
+        load_weights(pack, artifact)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("data_offsets", [0, 4], r"do not hold"),
+    ("dtype", "BF16", r"is not a supported tensor"),
+    ("shape", [-1], r"is not a supported tensor"),
+])
+def test_bad_tensor_entry_is_a_weights_error(tiny, tmp_path, field, value, message):
+    pack = Path(shutil.copytree(tiny.weights_dir, tmp_path / "pack"))
+    _damage_header(pack, lambda h: _first(h).__setitem__(field, value))
+    artifact = load_artifact(tiny.artifact_dir)
+    with pytest.raises(WeightsError, match=rf"missing or damaged \(tensor \S+: .*{message}"):
+        load_weights(pack, artifact)
