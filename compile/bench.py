@@ -50,15 +50,24 @@ def _stream_kernel(n_rows: int):
 
 
 def measure_bandwidth(mb: int, repeats: int = 7) -> float:
-    """GB/s of a parallel streaming read over ``mb`` MiB (median of ``repeats``)."""
+    """GB/s of a parallel streaming read over ``mb`` MiB (median of ``repeats``).
+
+    The buffer lives in the same huge-page-backed host memory as the weights, so the floor
+    and our decode read through the same kind of pages.
+    """
     import tvm
+
+    from paged_decode.runtime.host_memory import HostArena, to_tvm
 
     from .kernels.common import VL
     from .kernels.stream import CHUNKS, ROW
 
     n_rows = mb * (1 << 20) // (4 * ROW * CHUNKS)
     fn = _stream_kernel(n_rows)
-    src = tvm.runtime.tensor(np.ones((CHUNKS, n_rows, ROW), np.float32))
+    shape = (CHUNKS, n_rows, ROW)
+    host = HostArena.for_arrays([(shape, "float32")]).take(shape, "float32")
+    host[...] = 1.0
+    src = to_tvm(host)
     dst = tvm.runtime.tensor(np.zeros((CHUNKS, VL), np.float32))
     ms = median_ms(lambda: fn(src, dst), repeats, 0.0, min_warmup=2)
     return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
