@@ -26,10 +26,11 @@ from .baselines import median_ms
 from .api import prepare
 from .weights import resolve_model
 
-# Each run alternates ``rounds`` rounds of: read bandwidth, our decode (and scattered blocks at
-# the largest context), llama.cpp's decode, both prefills.  Ratios are taken within a round and
-# their median reported: this shared machine's bandwidth drifts by tens of percent from one
-# minute to the next, so numbers measured minutes apart do not compare.
+# Each run alternates ``rounds`` rounds of: per context a bracketed pair (bandwidth, ours,
+# llama.cpp, ours, bandwidth), then both prefills.  Ratios are taken within a pair, and their
+# median over the pairs that stayed in one bandwidth regime is reported: this shared machine's
+# bandwidth jumps by 30-80 % between two regimes, sometimes seconds apart, so numbers measured
+# even a minute apart do not compare.
 FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, prompts=(128, 512), bw_mb=512,
             replan=8)
 QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, prompts=(16, 32), bw_mb=64, replan=4)
@@ -178,7 +179,7 @@ class _Ours:
 
 def _spread(values) -> dict:
     return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values)), "rounds": [float(v) for v in values]}
+            "max": float(np.max(values)), "values": [float(v) for v in values]}
 
 
 def _pause():
@@ -197,37 +198,80 @@ def _start_llamacpp(model: str, dtype: str, n_ctx: int, workdir: Path, say):
     return baselines.LlamaCpp(gguf, n_ctx, os.cpu_count() or 1, dtype), None
 
 
-def _paired_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
-    """``rounds`` rounds of bandwidth, our decode (+ scattered blocks at the largest context),
-    llama.cpp's decode and both prefills, back to back; the per-round values."""
-    ctxs, big, n = cfg["contexts"], max(cfg["contexts"]), cfg["n_tokens"]
-    raw = {"bandwidth_gbps": [], "scattered_ms": [],
-           "ours": {"decode_ms": {c: [] for c in ctxs}, "prefill_tps": {p: [] for p in cfg["prompts"]}},
-           "llama.cpp": {"decode_ms": {c: [] for c in ctxs},
-                         "prefill_tps": {p: [] for p in cfg["prompts"]}}}
+def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
+    """``cfg["rounds"]`` rounds; in each, per context, one bracketed pair: bandwidth, ours,
+    [scattered blocks at the largest context], llama.cpp, ours again, bandwidth; then both
+    prefills back to back.  The readings of ours and of the bandwidth on both sides of
+    llama.cpp's tell whether the machine stayed in one regime for the pair (:func:`_stable`)."""
+    ctxs, n, big = cfg["contexts"], cfg["n_tokens"], max(cfg["contexts"])
+    pairs = {c: [] for c in ctxs}
+    prefill = {"ours": {p: [] for p in cfg["prompts"]},
+               "llama.cpp": {p: [] for p in cfg["prompts"]}}
     for r in range(cfg["rounds"]):
         say(f"  round {r + 1}/{cfg['rounds']}")
         warm = FIRST_WARMUP_S if r == 0 else LATER_WARMUP_S
-        raw["bandwidth_gbps"].append(measure_bandwidth(cfg["bw_mb"]))
         for c in ctxs:
-            raw["ours"]["decode_ms"][c].append(ours.decode_ms(c, n, warm))
+            pair = {"bandwidth_gbps": [measure_bandwidth(cfg["bw_mb"])],
+                    "ours_ms": [ours.decode_ms(c, n, warm)]}
             if c == big:
-                raw["scattered_ms"].append(ours.decode_ms(c, n, warm, scattered=True))
+                pair["scattered_ms"] = ours.decode_ms(c, n, warm, scattered=True)
             if lc is not None:
                 _pause()
-                raw["llama.cpp"]["decode_ms"][c].append(lc.decode_ms(c, n, warm))
+                pair["llama.cpp_ms"] = lc.decode_ms(c, n, warm)
                 _pause()
+            pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
+            pair["bandwidth_gbps"].append(measure_bandwidth(cfg["bw_mb"]))
+            pair["stable"] = _stable(pair)
+            pairs[c].append(pair)
         for p in cfg["prompts"]:
-            raw["ours"]["prefill_tps"][p].append(ours.prefill_tps(p))
+            prefill["ours"][p].append(ours.prefill_tps(p))
             if lc is not None:
                 _pause()
-                raw["llama.cpp"]["prefill_tps"][p].append(lc.prefill_tps(p))
+                prefill["llama.cpp"][p].append(lc.prefill_tps(p))
                 _pause()
-    return raw
+    return {"pairs": pairs, "prefill_tps": prefill}
+
+
+STABLE_MS, STABLE_BW = 1.08, 1.15  # max/min within a pair that still counts as one regime
+
+
+def _stable(pair: dict) -> bool:
+    """Our two readings within 8 % and the two bandwidth readings within 15 %: no regime flip
+    inside the pair (a flip moves either by 30-80 % on this machine)."""
+    a, bw = pair["ours_ms"], pair["bandwidth_gbps"]
+    return max(a) / min(a) <= STABLE_MS and max(bw) / min(bw) <= STABLE_BW
+
+
+def _ours_ms(pair: dict) -> float:
+    """Our ms/token in a pair: the geometric mean of the readings on both sides of llama.cpp's."""
+    return float(np.sqrt(pair["ours_ms"][0] * pair["ours_ms"][1]))
+
+
+def _over_pairs(pairs: list, value) -> dict:
+    """Median and min-max of ``value(pair)`` over the stable pairs (over all pairs when none is
+    stable); ``stable`` counts the stable ones."""
+    use = [p for p in pairs if p["stable"]] or pairs
+    return {**_spread([value(p) for p in use]),
+            "stable": sum(p["stable"] for p in pairs), "pairs": len(pairs)}
+
+
+TWO_REGIMES = 1.3  # highest / lowest bandwidth reading above which a run saw both regimes
+
+
+def _by_regime(pairs: list, split: float | None, value) -> dict:
+    """``value`` over the stable pairs above and below ``split`` GB/s (the pair's mean reading)."""
+    if split is None:
+        return {}
+    out = {}
+    for name, keep in (("fast", lambda b: b >= split), ("slow", lambda b: b < split)):
+        use = [p for p in pairs if p["stable"] and keep(np.mean(p["bandwidth_gbps"]))]
+        if use:
+            out[name] = {**_spread([value(p) for p in use]), "pairs": len(use)}
+    return out
 
 
 def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -> dict:
-    """Everything for one model x dtype: compile/load, the paired rounds, re-plan, host overhead
+    """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
     (tiny), HF eager."""
     max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
     prepared = prepare(model, block_size=16, max_context=max_ctx, cache_dtype=dtype,
@@ -236,28 +280,26 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
     m = ours.m
     lc, lc_skip = _start_llamacpp(model, dtype, max_ctx + 64, workdir, say)
     try:
-        raw = _paired_rounds(ours, lc, cfg, say)
+        raw = _bracketed_rounds(ours, lc, cfg, say)
     finally:
         if lc is not None:
             lc.close()
     ctxs, big = cfg["contexts"], max(cfg["contexts"])
     bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
-    bw = raw["bandwidth_gbps"]
-    o_ms = raw["ours"]["decode_ms"]
-    paged = _spread([s / c for s, c in zip(raw["scattered_ms"], o_ms[big])])
+    pairs = raw["pairs"]
+    bw = [b for c in ctxs for p in pairs[c] for b in p["bandwidth_gbps"]]
+    o_pre = raw["prefill_tps"]["ours"]
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
-           "decode_ms": {c: float(np.median(v)) for c, v in o_ms.items()},
-           "decode_ms_rounds": o_ms,
-           "prefill_tps": {p: float(np.median(v)) for p, v in raw["ours"]["prefill_tps"].items()},
+           "decode_ms": {c: float(np.median([t for p in pairs[c] for t in p["ours_ms"]]))
+                         for c in ctxs},
+           "prefill_tps": {p: float(np.median(v)) for p, v in o_pre.items()},
            "bytes_per_token": bpt,
-           # per round: floor (bytes / that round's bandwidth) over our time
-           "floor_fraction": {c: _spread([bpt[c] / (b * 1e9) * 1e3 / t
-                                          for b, t in zip(bw, o_ms[c])]) for c in ctxs},
-           "paged_vs_contiguous": {
-               "context": big, "contiguous_ms": float(np.median(o_ms[big])),
-               "scattered_ms": float(np.median(raw["scattered_ms"])),
-               "ratio": paged["median"], "ratio_spread": paged},
+           # per pair: the floor (bytes / the pair's bandwidth) over our time
+           "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: bpt[c] / (
+               np.mean(p["bandwidth_gbps"]) * 1e9) * 1e3 / _ours_ms(p)) for c in ctxs},
+           "paged_vs_contiguous": {"context": big, **_over_pairs(
+               pairs[big], lambda p: p["scattered_ms"] / _ours_ms(p))},
            "replan": ours.replan_ratio(cfg["replan"])}
     if m["name"] == "tiny":
         res["host_overhead"] = ours.host_overhead_us()
@@ -265,21 +307,25 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
     if lc is None:
         baselines_out["llama.cpp"] = {"skipped": lc_skip}
     else:
-        l_ms = raw["llama.cpp"]["decode_ms"]
-        l_tps = raw["llama.cpp"]["prefill_tps"]
+        l_pre = raw["prefill_tps"]["llama.cpp"]
         baselines_out["llama.cpp"] = {
-            "decode_ms": {c: float(np.median(v)) for c, v in l_ms.items()},
-            "decode_ms_rounds": l_ms,
-            "prefill_tps": {p: float(np.median(v)) for p, v in l_tps.items()}}
-        # ours tok/s over llama.cpp's = their ms / ours, paired within each round
+            "decode_ms": {c: float(np.median([p["llama.cpp_ms"] for p in pairs[c]]))
+                          for c in ctxs},
+            "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()}}
+        # ours tok/s over llama.cpp's = their ms / ours, within each stable pair
+        ratio = lambda p: p["llama.cpp_ms"] / _ours_ms(p)  # noqa: E731
+        # the two regimes split at the geometric mean of the extreme readings
+        split = (float(np.sqrt(min(bw) * max(bw))) if max(bw) / min(bw) >= TWO_REGIMES
+                 else None)
         res["vs_llamacpp"] = {
-            "decode": {c: _spread([lt / ot for lt, ot in zip(l_ms[c], o_ms[c])]) for c in ctxs},
-            "prefill": {p: _spread([ot / lt for ot, lt in zip(raw["ours"]["prefill_tps"][p],
-                                                               l_tps[p])])
+            "decode": {c: _over_pairs(pairs[c], ratio) for c in ctxs},
+            "regime_split_gbps": split,
+            "decode_by_regime": {c: _by_regime(pairs[c], split, ratio) for c in ctxs},
+            "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(model, dtype, cfg, say)
     return {"model": model, "dtype": dtype, "bandwidth_gbps": float(np.median(bw)),
-            "bandwidth_rounds": bw, "ours": res,
+            "bandwidth_samples": bw, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
             "baselines": baselines_out}
 

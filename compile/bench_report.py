@@ -11,7 +11,32 @@ def _fmt(x, digits=2):
 
 
 def _fmt_spread(d: dict, digits: int = 2) -> str:
-    return f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+    out = f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
+    return out + (f" [{d['stable']}/{d['pairs']}]" if "stable" in d else "")
+
+
+def _regime_lines(report: dict, contexts) -> list[str]:
+    """Decode ratios split by bandwidth regime, for runs that saw both regimes."""
+    runs = [r for r in report["runs"] if (r["ours"].get("vs_llamacpp") or {}).get(
+        "regime_split_gbps")]
+    if not runs:
+        return []
+    lines = ["", "The same decode ratios split by bandwidth regime (stable pairs whose mean "
+             "reading is above / below the split, the geometric mean of the run's lowest and "
+             "highest reading; number of pairs in brackets):", "",
+             "| model | dtype | split GB/s | " + " | ".join(
+                 f"ctx {c} fast | ctx {c} slow" for c in contexts) + " |",
+             "|---|---|---|" + "---|---|" * len(contexts)]
+    for run in runs:
+        vs = run["ours"]["vs_llamacpp"]
+        cells = []
+        for c in contexts:
+            by = vs["decode_by_regime"][c]
+            cells += [f"{by[k]['median']:.2f} ({by[k]['pairs']})" if k in by else "—"
+                      for k in ("fast", "slow")]
+        lines.append(f"| {run['model']} | {run['dtype']} | {vs['regime_split_gbps']:.1f} | "
+                     + " | ".join(cells) + " |")
+    return lines
 
 
 def _engine_rows(run: dict, contexts) -> list[str]:
@@ -37,9 +62,9 @@ def _engine_rows(run: dict, contexts) -> list[str]:
 def markdown(report: dict) -> str:
     contexts = report["settings"]["contexts"]
     bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f} "
-                    f"({min(r['bandwidth_rounds']):.1f}-{max(r['bandwidth_rounds']):.1f})"
+                    f"({min(r['bandwidth_samples']):.1f}-{max(r['bandwidth_samples']):.1f})"
                     for r in report["runs"])
-    lines = [f"Read bandwidth (GB/s, median (min-max) of the rounds, "
+    lines = [f"Read bandwidth (GB/s, median (min-max) of the readings, "
              f"{report['machine']['cpu_count']} cores): {bws}.", "",
              "ms/token at context (fraction of the bandwidth floor); prefill tokens/s by prompt "
              "length.", "",
@@ -50,8 +75,9 @@ def markdown(report: dict) -> str:
         lines += [f"| {run['model']} | {run['dtype']} | floor | "
                   + " | ".join(_fmt(run["floor_ms"][c]) for c in contexts) + " | |"]
         lines += _engine_rows(run, contexts)
-    lines += ["", "Ours over llama.cpp (tokens/s ratio, median of the rounds' ratios, min-max in "
-              "brackets; each round times both engines back to back):", "",
+    lines += ["", "Ours over llama.cpp (tokens/s ratio; decode: median (min-max) over the pairs "
+              "that stayed in one bandwidth regime, [stable/all pairs]; each pair times ours, "
+              "llama.cpp, ours back to back; prefill: per round):", "",
               "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
               "re-plan/plan-once | " + " | ".join(f"decode ctx {c}" for c in contexts)
               + " | prefill |", "|---|---|---|---|---|---|" + "---|" * len(contexts) + "---|"]
@@ -61,8 +87,9 @@ def markdown(report: dict) -> str:
         dec = [_fmt_spread(vs["decode"][c]) if vs else "—" for c in contexts]
         pre = ", ".join(f"{p}: {_fmt_spread(v)}" for p, v in vs["prefill"].items()) if vs else "—"
         lines.append(f"| {run['model']} | {run['dtype']} | {_fmt(o['compile_seconds'], 1)} | "
-                     f"{_fmt(o['load_seconds'])} | {_fmt_spread(o['paged_vs_contiguous']['ratio_spread'], 3)} | "
+                     f"{_fmt(o['load_seconds'])} | {_fmt_spread(o['paged_vs_contiguous'], 3)} | "
                      f"{_fmt(o['replan']['ratio'], 1)} | " + " | ".join(dec) + f" | {pre} |")
+    lines += _regime_lines(report, contexts)
     for run in report["runs"]:
         if "host_overhead" in run["ours"]:
             h = run["ours"]["host_overhead"]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from paged_decode.cli import bench_cmd
+from paged_decode.compile import bench
 
 
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
@@ -24,25 +27,56 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert all(run["floor_ms"][c] > 0 for c in contexts)
     rounds = report["settings"]["rounds"]
     assert rounds == 3
-    assert len(run["bandwidth_rounds"]) == rounds
-    assert all(len(v) == rounds for v in ours["decode_ms_rounds"].values())
+    assert len(run["bandwidth_samples"]) == 2 * rounds * len(contexts)
     for c in contexts:
+        assert len(run["pairs"][c]) == rounds
+        for pair in run["pairs"][c]:
+            assert len(pair["ours_ms"]) == 2 and len(pair["bandwidth_gbps"]) == 2
+            assert pair["stable"] == bench._stable(pair)
         frac = ours["floor_fraction"][c]
-        assert 0 < frac["min"] <= frac["median"] <= frac["max"] and len(frac["rounds"]) == rounds
-    assert ours["paged_vs_contiguous"]["ratio"] > 0 and ours["replan"]["ratio"] > 0
+        assert 0 < frac["min"] <= frac["median"] <= frac["max"]
+        assert frac["pairs"] == rounds and 0 <= frac["stable"] <= rounds
+    assert ours["paged_vs_contiguous"]["median"] > 0 and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
         res = run["baselines"][engine]
         assert ("decode_ms" in res) != bool(res.get("skipped")), res
-    if "decode_ms" in run["baselines"]["llama.cpp"]:  # paired per round with ours
-        lc = run["baselines"]["llama.cpp"]
+    if "decode_ms" in run["baselines"]["llama.cpp"]:  # ratios within each stable pair
         for c in contexts:
-            pair = ours["vs_llamacpp"]["decode"][c]
-            assert len(pair["rounds"]) == rounds
-            assert pair["rounds"][0] == lc["decode_ms_rounds"][c][0] / ours["decode_ms_rounds"][c][0]
+            pairs = [p for p in run["pairs"][c] if p["stable"]] or run["pairs"][c]
+            want = np.median([p["llama.cpp_ms"] / np.sqrt(np.prod(p["ours_ms"])) for p in pairs])
+            assert ours["vs_llamacpp"]["decode"][c]["median"] == pytest.approx(want)
     else:
         assert "vs_llamacpp" not in ours
     md = (out / "bench.md").read_text()
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _pair(ours, bw, lc=None):
+    pair = {"ours_ms": list(ours), "bandwidth_gbps": list(bw), "llama.cpp_ms": lc}
+    pair["stable"] = bench._stable(pair)
+    return pair
+
+
+def test_a_pair_across_a_regime_flip_is_not_stable():
+    assert _pair((10.0, 10.5), (33.0, 35.0))["stable"]
+    assert not _pair((10.0, 15.0), (33.0, 35.0))["stable"]  # ours moved: a flip
+    assert not _pair((10.0, 10.2), (33.0, 55.0))["stable"]  # the bandwidth moved: a flip
+
+
+def test_ratios_use_stable_pairs_and_split_by_regime():
+    ratio = lambda p: p["llama.cpp_ms"] / bench._ours_ms(p)  # noqa: E731
+    pairs = [_pair((10.0, 10.0), (55.0, 57.0), lc=11.0),  # fast, 1.1
+             _pair((16.0, 16.0), (33.0, 33.0), lc=16.0),  # slow, 1.0
+             _pair((10.0, 16.0), (55.0, 33.0), lc=30.0)]  # flip: left out
+    over = bench._over_pairs(pairs, ratio)
+    assert (over["stable"], over["pairs"]) == (2, 3)
+    assert over["median"] == pytest.approx(1.05) and over["max"] == pytest.approx(1.1)
+    by = bench._by_regime(pairs, 44.0, ratio)
+    assert by["fast"]["values"] == [pytest.approx(1.1)] and by["slow"]["values"] == [1.0]
+    assert bench._by_regime(pairs, None, ratio) == {}
+    unstable = [pairs[2]]  # none stable: all pairs, and the count says so
+    assert bench._over_pairs(unstable, ratio)["stable"] == 0
+    assert bench._over_pairs(unstable, ratio)["median"] == pytest.approx(30 / np.sqrt(160))
