@@ -217,8 +217,7 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
                     got_s = None if got is None else f"{got[0]} {got[1]}"
                     raise WeightsError(f"{file}: tensor {name} is {got_s}, weights.json says "
                                        f"{list(shape)} {dtype}; {hint}")
-            arena = HostArena.for_arrays([(s, d) for _n, s, d in want]) if on_cpu else None
-            hosts = {n: arena.take(tuple(s), d) if arena else np.empty(s, d) for n, s, d in want}
+            hosts = _host_buffers(want, on_cpu, file)
             for name in sorted(hosts, key=lambda n: entries[n][2]):  # in file order
                 _read_exactly(f, base + entries[name][2], hosts[name])
     except (OSError, ValueError) as e:
@@ -229,6 +228,20 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
 
 
 _KDL_CPU = 1  # DLPack device type of host memory
+
+
+def _host_buffers(want: list, on_cpu: bool, file: Path) -> dict:
+    """Host memory for every parameter: slices of one huge-page arena on the CPU (the tensors
+    themselves), plain staging arrays for a GPU."""
+    try:
+        if not on_cpu:
+            return {n: np.empty(s, d) for n, s, d in want}
+        arena = HostArena.for_arrays([(s, d) for _n, s, d in want])
+        return {n: arena.take(tuple(s), d) for n, s, d in want}
+    except (OSError, MemoryError) as e:
+        nbytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for _n, s, d in want)
+        raise WeightsError(f"{file}: could not allocate {nbytes} bytes of host memory for the "
+                           f"weights ({e}); free memory or use a smaller weight dtype") from e
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "I32": "int32", "I8": "int8",
                        "U8": "uint8"}
 

@@ -156,3 +156,29 @@ def test_bad_tensor_entry_is_a_weights_error(tiny, tmp_path, field, value, messa
     artifact = load_artifact(tiny.artifact_dir)
     with pytest.raises(WeightsError, match=rf"missing or damaged \(tensor \S+: .*{message}"):
         load_weights(pack, artifact)
+
+
+def test_tensor_keeps_its_arena_alive():
+    """The TVM tensor is the only reference left: the mapping must outlive the Python views."""
+    import gc
+
+    arena = HostArena([4 << 20])
+    host = arena.take((1 << 20,), "float32")
+    host[:] = np.arange(1 << 20, dtype=np.float32)
+    tensor = to_tvm(host)
+    del arena, host
+    gc.collect()
+    np.testing.assert_array_equal(tensor.numpy()[-3:], [(1 << 20) - 3, (1 << 20) - 2, (1 << 20) - 1])
+
+
+def test_weights_that_do_not_fit_in_memory_are_a_weights_error(tiny, monkeypatch):
+    from paged_decode.runtime import artifact as artifact_mod
+
+    def refuse(_sizes):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(artifact_mod.HostArena, "for_arrays", staticmethod(refuse))
+    artifact = load_artifact(tiny.artifact_dir)
+    with pytest.raises(WeightsError, match=r"could not allocate \d+ bytes of host memory .*"
+                       r"Cannot allocate memory"):
+        load_weights(tiny.weights_dir, artifact)
