@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from .errors import ArtifactError, WeightsError
-from .host_memory import HostArena, to_tvm
+from .host_memory import HostArena, on_host, to_tvm
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
 
 
@@ -207,7 +207,7 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
             f"({_layout_difference(meta.get('params') or [], want)}); use the weight pack "
             "prepare() returned with this artifact")
     file = path / "params.safetensors"
-    on_cpu = artifact.device.dlpack_device_type() == _KDL_CPU
+    on_cpu = on_host(artifact.device)
     try:
         with open(file, "rb", buffering=0) as f:
             entries, base = _safetensors_index(f, os.fstat(f.fileno()).st_size)
@@ -227,9 +227,6 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     return WeightPack(path, meta, tuple(tensors))
 
 
-_KDL_CPU = 1  # DLPack device type of host memory
-
-
 def _host_buffers(want: list, on_cpu: bool, file: Path) -> dict:
     """Host memory for every parameter: slices of one huge-page arena on the CPU (the tensors
     themselves), plain staging arrays for a GPU."""
@@ -242,6 +239,8 @@ def _host_buffers(want: list, on_cpu: bool, file: Path) -> dict:
         nbytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for _n, s, d in want)
         raise WeightsError(f"{file}: could not allocate {nbytes} bytes of host memory for the "
                            f"weights ({e}); free memory or use a smaller weight dtype") from e
+
+
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "I32": "int32", "I8": "int8",
                        "U8": "uint8"}
 

@@ -18,6 +18,7 @@ import mmap
 import numpy as np
 import tvm
 
+KDL_CPU = 1  # DLPack device type of host memory
 HUGE_PAGE = 2 << 20
 ALIGN = 4096  # every tensor starts on its own page; TIR assumes at least 64-byte alignment
 
@@ -67,6 +68,11 @@ class HostArena:
         out = self._raw[self._used:self._used + nbytes].view(dtype).reshape(shape)
         self._used += size
         return out
+
+
+def on_host(device) -> bool:
+    """Whether ``device``'s tensors are host memory (TVM's CPU)."""
+    return device.dlpack_device_type() == KDL_CPU
 
 
 def to_tvm(array: np.ndarray) -> tvm.runtime.Tensor:

@@ -34,12 +34,11 @@ import tvm
 
 from paged_decode.runtime.block_allocator import BlockAllocator, is_count
 from paged_decode.runtime.errors import CapacityError, ConfigError, HandleError, InputError
-from paged_decode.runtime.host_memory import HostArena, to_tvm
+from paged_decode.runtime.host_memory import HostArena, on_host, to_tvm
 
 log = logging.getLogger(__name__)
 
 CACHE_DTYPES = {"float32": 4, "float16": 2}  # cache_dtype -> bytes per element
-_KDL_CPU = 1  # DLPack device type of host memory
 
 _ALLOC_IDS = itertools.count(1)  # process-unique pool allocation ids
 _SEQ_IDS = itertools.count(1)  # process-unique sequence ids
@@ -190,7 +189,7 @@ class PagedKVCache:
         pages, see :mod:`.host_memory`), device allocations elsewhere."""
         shape, n = self._tensor_shape, 2 * self.n_layers
         try:
-            if self.device.dlpack_device_type() == _KDL_CPU:
+            if on_host(self.device):
                 arena = HostArena.for_arrays([(shape, self.cache_dtype)] * n)
                 hosts = [arena.take(shape, self.cache_dtype) for _ in range(n)]
                 for host in hosts:
@@ -208,7 +207,7 @@ class PagedKVCache:
         return tensors
 
     def _make_host_views(self):
-        if self.device.dlpack_device_type() != _KDL_CPU:
+        if not on_host(self.device):
             return None
         return tuple(np.from_dlpack(t) for t in self._pools)
 

@@ -29,6 +29,7 @@ import tvm
 from .artifact import Artifact, WeightPack
 from .errors import (BlockTableError, ExecutionError, OffsetRebindError, TokenIdError,
                      TopologyChanged, ValidityError, WriteOffsetError)
+from .host_memory import on_host
 from .kv_pool import PagedKVCache, SessionHandle
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def check_prompt(token_ids, vocab_size: int) -> np.ndarray:
 
 def _host_logits(logits) -> np.ndarray:
     """Copy the VM's (1, vocab) output into a fresh host array (the VM reuses its memory)."""
-    if logits.device.dlpack_device_type() == 1:
+    if on_host(logits.device):
         return np.array(np.from_dlpack(logits)[0])
     return logits.numpy()[0]
 
@@ -137,12 +138,12 @@ class PagedDecodeSession:
         self.realize_count = 0
 
     def _host_views(self, dev):
-        if dev.dlpack_device_type() == 1:  # CPU: write straight into the VM's input tensors
+        if on_host(dev):  # CPU: write straight into the VM's input tensors
             return np.from_dlpack(self._token), np.from_dlpack(self._table)
         return np.zeros((1,), np.int32), np.zeros((1, self.artifact.max_blocks_cap), np.int32)
 
     def _upload(self):
-        if self._token.device.dlpack_device_type() != 1:
+        if not on_host(self._token.device):
             self._token.copyfrom(self._token_host)
             self._table.copyfrom(self._table_host)
 
