@@ -9,7 +9,7 @@ import pytest
 import tvm
 
 from paged_decode.compile.kernels.attention import paged_attention_decode, paged_attention_prefill
-from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, x_dtype
+from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
 from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
@@ -238,6 +238,22 @@ def test_decode_gemv_large_k_reads_x_in_half_for_half_weights(norm):
     np.testing.assert_allclose(y.numpy(), ref, atol=2e-3, rtol=1e-5)
     full = (_ref_norm(x, g) if norm else x.astype(np.float64)) @ w.astype(np.float64).T
     assert np.abs(y.numpy() - (0 if norm else res) - full).max() < 0.5  # rounding, not garbage
+
+
+@pytest.mark.parametrize("N", [301, 2048])  # 301: odd rows per chunk, a row without a pair
+@pytest.mark.parametrize("K", [4608, 4616])  # 4616: a tail after the vector blocks
+def test_decode_gemv_large_k_float32_reads_rows_in_pairs(N, K):
+    """K > 4096 with float32 weights: two rows per pass over x, every row still exact."""
+    assert row_pairs(K, "float32") and not row_pairs(K, "float16")
+    assert not row_pairs(4096, "float32")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    res = rng.standard_normal((1, N)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + res
+    y = _t(np.zeros((1, N), np.float32))
+    _compiled(gemv, N, K, "float32", "residual", None)(_t(x), _t(w), _t(res), y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=5e-4, rtol=1e-5)
 
 
 def _ref_swiglu(xn, w, inter):
