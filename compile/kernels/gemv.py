@@ -2,7 +2,8 @@
 
 Optionally fused with the RMSNorm that precedes it (``xn = x * rsqrt(mean(x^2) + eps) * g``,
 computed once per call into a K-element scratch before the row loop; see ``x_dtype`` for when
-that scratch, or a copy of x, is float16), with a bias or a residual
+that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
+over x), with a bias or a residual
 epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
 chunks; each chunk reads its rows one after the other, each front to back with ``KU``
 independent accumulators: one sequential stream per core is what the hardware prefetcher follows
