@@ -27,13 +27,15 @@ from .api import prepare
 from .weights import resolve_model
 
 # Each run alternates ``rounds`` rounds of: per context a bracketed pair (bandwidth, ours,
-# llama.cpp, ours, bandwidth), then both prefills.  Ratios are taken within a pair, and their
-# median over the pairs that stayed in one bandwidth regime is reported: this shared machine's
-# bandwidth jumps by 30-80 % between two regimes, sometimes seconds apart, so numbers measured
-# even a minute apart do not compare.
-FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, prompts=(128, 512), bw_mb=512,
-            replan=8)
-QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, prompts=(16, 32), bw_mb=64, replan=4)
+# llama.cpp, ours, bandwidth), redone up to ``retries`` times while it straddles a regime flip,
+# then both prefills.  Ratios are taken within a pair, and their median over the pairs that
+# stayed in one bandwidth regime is reported: this shared machine's bandwidth jumps by 30-80 %
+# between two regimes, sometimes seconds apart, so numbers measured even a minute apart do not
+# compare.
+FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, retries=2, prompts=(128, 512),
+            bw_mb=512, replan=8)
+QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32), bw_mb=64,
+             replan=4)
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 SWITCH_PAUSE_S = 0.1  # lets the other engine's spinning worker threads park
 
@@ -199,10 +201,10 @@ def _start_llamacpp(model: str, dtype: str, n_ctx: int, workdir: Path, say):
 
 
 def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
-    """``cfg["rounds"]`` rounds; in each, per context, one bracketed pair: bandwidth, ours,
-    [scattered blocks at the largest context], llama.cpp, ours again, bandwidth; then both
-    prefills back to back.  The readings of ours and of the bandwidth on both sides of
-    llama.cpp's tell whether the machine stayed in one regime for the pair (:func:`_stable`)."""
+    """``cfg["rounds"]`` rounds; in each, per context, one bracketed pair (:func:`_pair`), redone
+    up to ``cfg["retries"]`` times while it is not stable; then both prefills back to back.  The
+    readings of ours and of the bandwidth on both sides of llama.cpp's tell whether the machine
+    stayed in one regime for the pair (:func:`_stable`)."""
     ctxs, n, big = cfg["contexts"], cfg["n_tokens"], max(cfg["contexts"])
     pairs = {c: [] for c in ctxs}
     prefill = {"ours": {p: [] for p in cfg["prompts"]},
@@ -211,18 +213,13 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
         say(f"  round {r + 1}/{cfg['rounds']}")
         warm = FIRST_WARMUP_S if r == 0 else LATER_WARMUP_S
         for c in ctxs:
-            pair = {"bandwidth_gbps": [measure_bandwidth(cfg["bw_mb"])],
-                    "ours_ms": [ours.decode_ms(c, n, warm)]}
-            if c == big:
-                pair["scattered_ms"] = ours.decode_ms(c, n, warm, scattered=True)
-            if lc is not None:
-                _pause()
-                pair["llama.cpp_ms"] = lc.decode_ms(c, n, warm)
-                _pause()
-            pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
-            pair["bandwidth_gbps"].append(measure_bandwidth(cfg["bw_mb"]))
-            pair["stable"] = _stable(pair)
-            pairs[c].append(pair)
+            for attempt in range(1 + cfg["retries"]):  # a pair that straddled a flip is redone
+                pair = _pair(ours, lc, c, n, warm if attempt == 0 else LATER_WARMUP_S,
+                             cfg["bw_mb"], scattered=c == big)
+                pair["attempt"] = attempt
+                pairs[c].append(pair)
+                if pair["stable"]:
+                    break
         for p in cfg["prompts"]:
             prefill["ours"][p].append(ours.prefill_tps(p))
             if lc is not None:
@@ -230,6 +227,22 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
                 prefill["llama.cpp"][p].append(lc.prefill_tps(p))
                 _pause()
     return {"pairs": pairs, "prefill_tps": prefill}
+
+
+def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: bool) -> dict:
+    """One bracketed pair at context ``c``: bandwidth, ours, [scattered], llama.cpp, ours,
+    bandwidth."""
+    pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)]}
+    if scattered:
+        pair["scattered_ms"] = ours.decode_ms(c, n, warm, scattered=True)
+    if lc is not None:
+        _pause()
+        pair["llama.cpp_ms"] = lc.decode_ms(c, n, warm)
+        _pause()
+    pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
+    pair["bandwidth_gbps"].append(measure_bandwidth(bw_mb))
+    pair["stable"] = _stable(pair)
+    return pair
 
 
 STABLE_MS, STABLE_BW = 1.08, 1.15  # max/min within a pair that still counts as one regime

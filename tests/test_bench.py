@@ -27,15 +27,21 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert all(run["floor_ms"][c] > 0 for c in contexts)
     rounds = report["settings"]["rounds"]
     assert rounds == 3
-    assert len(run["bandwidth_samples"]) == 2 * rounds * len(contexts)
+    retries = report["settings"]["retries"]
+    n_pairs = sum(len(run["pairs"][c]) for c in contexts)
+    assert len(run["bandwidth_samples"]) == 2 * n_pairs
     for c in contexts:
-        assert len(run["pairs"][c]) == rounds
-        for pair in run["pairs"][c]:
+        pairs = run["pairs"][c]
+        # each round: unstable attempts, then a stable one or the last allowed attempt
+        assert [p["attempt"] for p in pairs].count(0) == rounds
+        for pair, after in zip(pairs, pairs[1:] + [None]):
             assert len(pair["ours_ms"]) == 2 and len(pair["bandwidth_gbps"]) == 2
             assert pair["stable"] == bench._stable(pair)
+            redone = after is not None and after["attempt"] > 0
+            assert redone == (not pair["stable"] and pair["attempt"] < retries)
         frac = ours["floor_fraction"][c]
         assert 0 < frac["min"] <= frac["median"] <= frac["max"]
-        assert frac["pairs"] == rounds and 0 <= frac["stable"] <= rounds
+        assert frac["pairs"] == len(pairs) and 0 <= frac["stable"] <= rounds
     assert ours["paged_vs_contiguous"]["median"] > 0 and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
@@ -80,3 +86,19 @@ def test_ratios_use_stable_pairs_and_split_by_regime():
     unstable = [pairs[2]]  # none stable: all pairs, and the count says so
     assert bench._over_pairs(unstable, ratio)["stable"] == 0
     assert bench._over_pairs(unstable, ratio)["median"] == pytest.approx(30 / np.sqrt(160))
+
+
+def test_unstable_pairs_are_redone_up_to_the_retry_limit(monkeypatch):
+    script = iter([False, True,  # round 1: one redo
+                   False, False, False,  # round 2: gives up after 2 retries
+                   True])  # round 3
+    monkeypatch.setattr(bench, "_pair", lambda *a, **k: {"stable": next(script)})
+
+    class Ours:
+        def prefill_tps(self, n):
+            return 1.0
+
+    cfg = dict(contexts=(16,), n_tokens=1, rounds=3, retries=2, prompts=(), bw_mb=1)
+    pairs = bench._bracketed_rounds(Ours(), None, cfg, lambda _m: None)["pairs"][16]
+    assert [(p["attempt"], p["stable"]) for p in pairs] == [
+        (0, False), (1, True), (0, False), (1, False), (2, False), (0, True)]
