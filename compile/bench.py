@@ -307,6 +307,10 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
     pairs = raw["pairs"]
     bw = [b for c in ctxs for p in pairs[c] for b in p["bandwidth_gbps"]]
     o_pre = raw["prefill_tps"]["ours"]
+
+    def floor(pair: dict, c: int) -> float:  # ms/token at the pair's own bandwidth
+        return bpt[c] / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
+
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
            "decode_ms": {c: float(np.median([t for p in pairs[c] for t in p["ours_ms"]]))
@@ -314,8 +318,8 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
            "prefill_tps": {p: float(np.median(v)) for p, v in o_pre.items()},
            "bytes_per_token": bpt,
            # per pair: the floor (bytes / the pair's bandwidth) over our time
-           "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: bpt[c] / (
-               np.mean(p["bandwidth_gbps"]) * 1e9) * 1e3 / _ours_ms(p)) for c in ctxs},
+           "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: floor(p, c) / _ours_ms(p))
+                              for c in ctxs},
            "paged_vs_contiguous": {"context": big, **_over_pairs(
                pairs[big], lambda p: p["scattered_ms"] / _ours_ms(p))},
            "replan": ours.replan_ratio(cfg["replan"])}
@@ -329,7 +333,9 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
         baselines_out["llama.cpp"] = {
             "decode_ms": {c: float(np.median([p["llama.cpp_ms"] for p in pairs[c]]))
                           for c in ctxs},
-            "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()}}
+            "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()},
+            "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: floor(p, c) / p[
+                "llama.cpp_ms"]) for c in ctxs}}
         # ours tok/s over llama.cpp's = their ms / ours, within each stable pair
         ratio = lambda p: p["llama.cpp_ms"] / _ours_ms(p)  # noqa: E731
         # the two regimes split at the geometric mean of the extreme readings

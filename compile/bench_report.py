@@ -48,7 +48,7 @@ def _engine_rows(run: dict, contexts) -> list[str]:
                         + "| " * (len(contexts) + 1) + "|")
             continue
         ms = [res["decode_ms"].get(c) for c in contexts]
-        if "floor_fraction" in res:  # paired with the bandwidth of the same round
+        if "floor_fraction" in res:  # each stable pair against its own bandwidth readings
             ratio = [res["floor_fraction"][c]["median"] for c in contexts]
         else:
             ratio = [run["floor_ms"][c] / m if m else None for c, m in zip(contexts, ms)]
@@ -66,8 +66,9 @@ def markdown(report: dict) -> str:
                     for r in report["runs"])
     lines = [f"Read bandwidth (GB/s, median (min-max) of the readings, "
              f"{report['machine']['cpu_count']} cores): {bws}.", "",
-             "ms/token at context (fraction of the bandwidth floor); prefill tokens/s by prompt "
-             "length.", "",
+             "ms/token at context, median of all readings (fraction of the bandwidth floor: "
+             "median over the stable pairs, each against its own bandwidth readings); prefill "
+             "tokens/s by prompt length.", "",
              "| model | dtype | engine | " + " | ".join(f"ctx {c}" for c in contexts)
              + " | prefill tok/s |",
              "|---|---|---|" + "---|" * len(contexts) + "---|"]

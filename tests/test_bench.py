@@ -49,6 +49,8 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
         assert ("decode_ms" in res) != bool(res.get("skipped")), res
     if "decode_ms" in run["baselines"]["llama.cpp"]:  # ratios within each stable pair
         for c in contexts:
+            frac = run["baselines"]["llama.cpp"]["floor_fraction"][c]
+            assert 0 < frac["min"] <= frac["median"] <= frac["max"]
             pairs = [p for p in run["pairs"][c] if p["stable"]] or run["pairs"][c]
             want = np.median([p["llama.cpp_ms"] / np.sqrt(np.prod(p["ours_ms"])) for p in pairs])
             assert ours["vs_llamacpp"]["decode"][c]["median"] == pytest.approx(want)
