@@ -70,47 +70,52 @@ def _macros(K: int, eps: float):
             xn[0, k] = T.Cast(xn.dtype, x[0, k] * g[k] * st[0])
 
     @T.macro
-    def dot_row(xs, W, acc, R, r, c):
-        """R[r, :] = VL partial sums of xs . W[c, :], reading the row front to back."""
+    def fma(acc, u, v, xs, W, c, k):
+        """acc[u, v] += xs[k] * W[c, k], both read as float32."""
+        acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, k]) * T.Cast("float32", W[c, k])
+
+    @T.macro
+    def clear(acc):
         for u, v in T.grid(KU, VL):
             acc[u, v] = T.float32(0)
-        for ko in range(KO):
-            for u in T.unroll(KU):
-                for v in T.vectorized(VL):
-                    acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, (ko * KU + u) * VL + v]) * T.Cast(
-                        "float32", W[c, (ko * KU + u) * VL + v])
-        for kt in range(KT // VL):
-            for v in T.vectorized(VL):
-                acc[0, v] = acc[0, v] + T.Cast("float32", xs[0, KO * KU * VL + kt * VL + v]) * T.Cast(
-                    "float32", W[c, KO * KU * VL + kt * VL + v])
-        if KT % VL != 0:
-            for v in range(KT % VL):
-                acc[1, v] = acc[1, v] + T.Cast("float32", xs[0, K - KT % VL + v]) * T.Cast(
-                    "float32", W[c, K - KT % VL + v])
+
+    @T.macro
+    def fold(acc, R, r):
+        """R[r, :] = the KU accumulators added lane by lane."""
         for v in T.vectorized(VL):
             R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
 
     @T.macro
-    def dot_row_pair(xs, W, acc, acc2, R, r, c):
-        """R[r, :], R[r + 1, :] for rows c and c + 1, each x vector loaded once for both."""
-        for u, v in T.grid(KU, VL):
-            acc[u, v] = T.float32(0)
-            acc2[u, v] = T.float32(0)
+    def dot_row(xs, W, acc, R, r, c):
+        """R[r, :] = VL partial sums of xs . W[c, :], reading the row front to back."""
+        clear(acc)
         for ko in range(KO):
             for u in T.unroll(KU):
                 for v in T.vectorized(VL):
-                    acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, (ko * KU + u) * VL + v]) * T.Cast(
-                        "float32", W[c, (ko * KU + u) * VL + v])
-                    acc2[u, v] = acc2[u, v] + T.Cast("float32", xs[0, (ko * KU + u) * VL + v]) * T.Cast(
-                        "float32", W[c + 1, (ko * KU + u) * VL + v])
+                    fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
+        for kt in range(KT // VL):
+            for v in T.vectorized(VL):
+                fma(acc, 0, v, xs, W, c, KO * KU * VL + kt * VL + v)
+        if KT % VL != 0:
+            for v in range(KT % VL):
+                fma(acc, 1, v, xs, W, c, K - KT % VL + v)
+        fold(acc, R, r)
+
+    @T.macro
+    def dot_row_pair(xs, W, acc, acc2, R, r, c):
+        """R[r, :], R[r + 1, :] for rows c and c + 1, each x vector loaded once for both."""
+        clear(acc)
+        clear(acc2)
+        for ko in range(KO):
+            for u in T.unroll(KU):
+                for v in T.vectorized(VL):
+                    fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
+                    fma(acc2, u, v, xs, W, c + 1, (ko * KU + u) * VL + v)
         for kt in range(KT):
-            acc[0, kt % VL] = acc[0, kt % VL] + T.Cast("float32", xs[0, KO * KU * VL + kt]) * T.Cast(
-                "float32", W[c, KO * KU * VL + kt])
-            acc2[0, kt % VL] = acc2[0, kt % VL] + T.Cast("float32", xs[0, KO * KU * VL + kt]) * T.Cast(
-                "float32", W[c + 1, KO * KU * VL + kt])
-        for v in T.vectorized(VL):
-            R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
-            R[r + 1, v] = (acc2[0, v] + acc2[1, v]) + (acc2[2, v] + acc2[3, v])
+            fma(acc, 0, kt % VL, xs, W, c, KO * KU * VL + kt)
+            fma(acc2, 0, kt % VL, xs, W, c + 1, KO * KU * VL + kt)
+        fold(acc, R, r)
+        fold(acc2, R, r + 1)
 
     @T.macro
     def tile_rows(xs, W, acc, R, S, s0, row0, n_valid, pairs=False):
