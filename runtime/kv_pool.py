@@ -180,14 +180,11 @@ class PagedKVCache:
                 "raise the budget or shrink block_size")
         return int(budget) // self.bytes_per_block
 
-    @property
-    def _tensor_shape(self) -> tuple:
-        return (self.num_blocks, self.n_kv_heads, self.block_size, self.head_dim)
-
     def _new_tensors(self) -> tuple:
         """The 2 * n_layers zeroed pool tensors: slices of one host arena on the CPU (huge
         pages, see :mod:`.host_memory`), device allocations elsewhere."""
-        shape, n = self._tensor_shape, 2 * self.n_layers
+        shape = (self.num_blocks, self.n_kv_heads, self.block_size, self.head_dim)
+        n = 2 * self.n_layers
         try:
             if on_host(self.device):
                 arena = HostArena.for_arrays([(shape, self.cache_dtype)] * n)
