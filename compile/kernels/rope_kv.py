@@ -27,18 +27,21 @@ def _rope_macro(Hq, Hkv, D, cdt):
 
     @T.macro
     def rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, pos, blk, slot):
-        for h, d in T.grid(Hq, half):
+        cs = T.decl_buffer((2, half), "float32", scope="local")  # cos, sin of each frequency
+        for d in range(half):  # once per token, shared by every head (libm calls dominate)
             ang = T.Cast("float32", pos) * inv_freq[d]
+            cs[0, d] = T.cos(ang)
+            cs[1, d] = T.sin(ang)
+        for h, d in T.grid(Hq, half):
             x0 = qkv[i, h * D + d]
             x1 = qkv[i, h * D + d + half]
-            q_rot[i, h * D + d] = x0 * T.cos(ang) - x1 * T.sin(ang)
-            q_rot[i, h * D + d + half] = x1 * T.cos(ang) + x0 * T.sin(ang)
+            q_rot[i, h * D + d] = x0 * cs[0, d] - x1 * cs[1, d]
+            q_rot[i, h * D + d + half] = x1 * cs[0, d] + x0 * cs[1, d]
         for h, d in T.grid(Hkv, half):
-            ang = T.Cast("float32", pos) * inv_freq[d]
             k0 = qkv[i, (Hq + h) * D + d]
             k1 = qkv[i, (Hq + h) * D + d + half]
-            k_pool[blk, h, slot, d] = T.Cast(cdt, k0 * T.cos(ang) - k1 * T.sin(ang))
-            k_pool[blk, h, slot, d + half] = T.Cast(cdt, k1 * T.cos(ang) + k0 * T.sin(ang))
+            k_pool[blk, h, slot, d] = T.Cast(cdt, k0 * cs[0, d] - k1 * cs[1, d])
+            k_pool[blk, h, slot, d + half] = T.Cast(cdt, k1 * cs[0, d] + k0 * cs[1, d])
         for h in range(Hkv):
             for d in T.vectorized(D):
                 v_pool[blk, h, slot, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])
