@@ -38,15 +38,17 @@ def slots(pool):
 
 
 def ref_attention(q, k_pool, v_pool, table, ctx):
-    """q (Hq, D) against positions [0, ctx) gathered through the block table."""
+    """q (Hq, D) against positions [0, ctx) gathered through the block table (shapes from the
+    arguments: pools ``(blocks, Hkv, block_size, D)``)."""
+    hq, (_, hkv, bs, d) = q.shape[0], k_pool.shape
     pos = np.arange(ctx)
-    k = slots(k_pool)[table[pos // BS], pos % BS].astype(np.float64)  # (ctx, Hkv, D)
-    v = slots(v_pool)[table[pos // BS], pos % BS].astype(np.float64)
-    out = np.empty((HQ, D))
-    for h in range(HQ):
-        s = k[:, h // (HQ // HKV)] @ q[h].astype(np.float64) / np.sqrt(D)
+    k = slots(k_pool)[table[pos // bs], pos % bs].astype(np.float64)  # (ctx, Hkv, D)
+    v = slots(v_pool)[table[pos // bs], pos % bs].astype(np.float64)
+    out = np.empty((hq, d))
+    for h in range(hq):
+        s = k[:, h // (hq // hkv)] @ q[h].astype(np.float64) / np.sqrt(d)
         p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v[:, h // (HQ // HKV)]
+        out[h] = (p / p.sum()) @ v[:, h // (hq // hkv)]
     return out.reshape(-1)
 
 
@@ -79,6 +81,37 @@ def test_paged_attention_decode(pools, ctx):
         _t(q), _t(k), _t(v), _t(table), ctx, out)
     ref = ref_attention(q[0].reshape(HQ, D), k, v, table[0], ctx)
     np.testing.assert_allclose(out.numpy()[0], ref, atol=TOL["float32"], rtol=0)
+
+
+@pytest.mark.parametrize("cdt", ["float32", "float16"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv):
+    """The shapes the models use (head_dim 64, block_size 16; one and four query heads per kv
+    head), decode and prefill.  Rows past the context hold inf / nan (a block's unused slots
+    keep whatever a freed sequence left there): they must not reach the output."""
+    d, bs, cap = 64, 16, 6
+    rng = np.random.default_rng(hq)
+    k = rng.standard_normal((cap + 2, hkv, bs, d)).astype(cdt)
+    v = rng.standard_normal((cap + 2, hkv, bs, d)).astype(cdt)
+    table = rng.permutation(cap + 2)[:cap].astype(np.int32)[None]
+    for ctx in (1, bs - 1, bs, bs + 1, 3 * bs + 5, cap * bs):
+        kc, vc = k.copy(), v.copy()
+        pos = np.arange(ctx, cap * bs)
+        slots(kc)[table[0, pos // bs], pos % bs] = np.inf
+        slots(vc)[table[0, pos // bs], pos % bs] = np.nan
+        q = rng.standard_normal((2, hq * d)).astype(np.float32)
+        out = _t(np.zeros((1, hq * d), np.float32))
+        _compiled(paged_attention_decode, hq, hkv, d, bs, cap, cdt)(
+            _t(q[:1]), _t(kc), _t(vc), _t(table), ctx, out)
+        ref = ref_attention(q[0].reshape(hq, d), k, v, table[0], ctx)
+        np.testing.assert_allclose(out.numpy()[0], ref, atol=TOL["float32"], rtol=0)
+        if ctx >= 2:  # prefill of the last two positions through the same blocks
+            pre = _t(np.zeros((2, hq * d), np.float32))
+            _compiled(paged_attention_prefill, hq, hkv, d, bs, cap, cdt)(
+                _t(q), _t(kc), _t(vc), _t(table), ctx - 2, pre)
+            for i in range(2):
+                ref = ref_attention(q[i].reshape(hq, d), k, v, table[0], ctx - 1 + i)
+                np.testing.assert_allclose(pre.numpy()[i], ref, atol=TOL["float32"], rtol=0)
 
 
 @pytest.mark.parametrize("pools", ["float32"], indirect=True)
