@@ -9,6 +9,7 @@ reason}`` when the engine is not installed.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import time
 from pathlib import Path
 
@@ -103,6 +104,16 @@ def _gguf_layer_name(name: str) -> str:
     return f"blk.{parts[2]}.{table[leaf]}.weight"
 
 
+def hf_forward(model, ids, cache=None):
+    """``model(ids)`` with its KV cache carried: (output, the new cache).  transformers 5.2x takes
+    and returns the cache as ``cache`` (``past_key_values`` is deprecated there); older versions
+    only know ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    out = model(ids, use_cache=True, **({} if cache is None else {name: cache}))
+    return out, getattr(out, name)
+
+
 def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
     """Median ms per decode token at each context, and prefill tokens/s."""
     import torch
@@ -112,13 +123,12 @@ def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
     out = {"decode_ms": {}, "prefill_tps": {}}
     with torch.inference_mode():
         for ctx in contexts:
-            res = model(torch.from_numpy(rng.integers(0, vocab, (1, ctx - 1))), use_cache=True)
-            past, times = res.past_key_values, []
+            _, past = hf_forward(model, torch.from_numpy(rng.integers(0, vocab, (1, ctx - 1))))
+            times = []
             for _ in range(n_tokens + 2):
                 t0 = time.perf_counter()
-                res = model(torch.tensor([[1]]), past_key_values=past, use_cache=True)
+                _, past = hf_forward(model, torch.tensor([[1]]), past)
                 times.append(time.perf_counter() - t0)
-                past = res.past_key_values
             out["decode_ms"][ctx] = float(np.median(times[2:]) * 1e3)
         for n in prompt_lens:
             ids = torch.from_numpy(rng.integers(0, vocab, (1, n)))

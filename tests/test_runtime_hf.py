@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from paged_decode.compile.baselines import hf_forward
 from paged_decode.runtime.session import PagedDecodeSession
 
 from .conftest import LOGIT_TOL, _randomize, _save, make_pool
@@ -37,12 +38,11 @@ def hf_reference(path, prompt, ours):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        logits, past = [out.logits[0, -1].numpy()], out.past_key_values
+        out, past = hf_forward(model, torch.tensor([prompt]))
+        logits = [out.logits[0, -1].numpy()]
         for tok in ours:
-            out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+            out, past = hf_forward(model, torch.tensor([[tok]]), past)
             logits.append(out.logits[0, -1].numpy())
-            past = out.past_key_values
     return logits
 
 
