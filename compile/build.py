@@ -42,7 +42,8 @@ def make_spec(cfg: ModelConfig, *, block_size: int = 16, max_blocks_cap: int | N
     if not isinstance(block_size, int) or block_size < 1 or block_size > 1024:
         raise ConfigError(f"block_size={block_size!r}: must be an integer in [1, 1024]")
     if (max_blocks_cap is None) == (max_context is None):
-        raise ConfigError("give exactly one of max_blocks_cap / max_context")
+        raise ConfigError(f"max_blocks_cap={max_blocks_cap!r}, max_context={max_context!r}: give "
+                          "exactly one of them (flags --max-blocks-cap / --max-context)")
     if max_context is not None:
         if not isinstance(max_context, int) or max_context < 1:
             raise ConfigError(f"max_context={max_context!r}: must be a positive integer")

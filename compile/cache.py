@@ -50,7 +50,11 @@ def artifacts_root(root: str | Path | None = None) -> Path:
         root = pkg if os.access(pkg if pkg.exists() else pkg.parent, os.W_OK) else (
             Path.home() / ".cache" / "paged-decode" / "artifacts")
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"artifact root {str(root)!r}: cannot use it as a folder ({e.strerror}); "
+                          f"pass --artifacts (or ${ROOT_ENV}) naming a writable folder") from e
     return root
 
 

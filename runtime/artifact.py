@@ -156,6 +156,11 @@ def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) ->
         vm = relax.VirtualMachine(lib, device or tvm.cpu())
         embedded = json.loads(vm["_metadata"]())
     except Exception as e:  # TVM raises plain RuntimeErrors for unloadable libraries
+        if "loader of that name is not registered" in str(e):  # built for another runtime
+            raise ArtifactError(
+                f"{lib_path}: built for target {manifest.get('target_kind')!r}, whose runtime this "
+                f"TVM installation lacks ({e}); run it where TVM has that runtime (and the "
+                "device), or compile for a target this machine runs (llvm: the host CPU)") from e
         raise ArtifactError(f"{lib_path}: TVM could not load it ({e}); {hint}") from e
     if not isinstance(embedded, dict) or embedded.get("digest") != manifest["digest"]:
         got = embedded.get("digest") if isinstance(embedded, dict) else embedded

@@ -42,6 +42,8 @@ def test_print_key_compiles_nothing(runner, tmp_path):
     (["--model", "tiny", "--block-size", "0"], "block_size=0"),
     (["--model", "tiny", "--max-context", "16", "--max-blocks-cap", "2"], "exactly one"),
     (["--model", "tiny", "--target", "llvm-but-wrong"], "llvm-but-wrong"),
+    (["--model", "llama-160M"], "did you mean 'llama-160m'"),
+    (["--model", "/nonexistent/dir/model"], "no such file or directory"),
 ])
 def test_bad_input_is_one_clean_line(runner, tmp_path, args, needle):
     result = runner.invoke(compile_cmd, args + ["--artifacts", str(tmp_path)])
@@ -68,3 +70,17 @@ def test_cache_lists_artifacts(runner, artifact_root, build):
     build("tiny", block_size=4, max_context=64)
     result = runner.invoke(cache_cmd, ["--artifacts", str(artifact_root)])
     assert result.exit_code == 0 and "tiny-llvm-" in result.output
+
+
+@pytest.mark.parametrize("root", ["a-file", "a-file/below"])
+def test_unusable_artifact_root_is_one_clean_line(runner, tmp_path, root):
+    (tmp_path / "a-file").write_text("not a folder")
+    result = runner.invoke(compile_cmd, ["--model", "tiny", "--artifacts", str(tmp_path / root)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.startswith("error: artifact root ") and "writable folder" in result.output
+
+
+def test_cache_says_when_empty(runner, tmp_path):
+    result = runner.invoke(cache_cmd, ["--artifacts", str(tmp_path)])
+    assert result.exit_code == 0 and result.output.startswith("no artifacts or weight packs in")
+

@@ -19,7 +19,8 @@ import tvm
 from paged_decode.compile.api import key_of
 from paged_decode.compile.device_code import device_modules
 from paged_decode.compile.targets import KINDS, resolve_target
-from paged_decode.runtime.errors import CompileError, ConfigError
+from paged_decode.runtime.artifact import load_artifact
+from paged_decode.runtime.errors import ArtifactError, CompileError, ConfigError
 
 from .conftest import LOGIT_TOL
 
@@ -104,6 +105,18 @@ def test_build(artifact, kind, cdt, func):
     attn = {"decode": "attn_dec", "prefill": "attn_pre"}[func]
     prefix = "" if kind == "llvm" else "gpu_"
     assert f"{prefix}{attn}_q4kv2d16_bs8_cap32_{cdt[0]}{cdt[-2:]}".encode() in blob
+
+
+def test_artifact_for_a_runtime_this_tvm_lacks_says_so(artifact):
+    """An OpenCL artifact loaded by a TVM without the OpenCL runtime (the PyPI wheel): the error
+    names the target and says a rebuild will not help."""
+    if tvm.get_global_func("ffi.Module.load_from_bytes.opencl", allow_missing=True) is not None:
+        pytest.skip("this TVM has the OpenCL runtime, so the artifact loads")
+    prepared = artifact("opencl", "float32")
+    with pytest.raises(ArtifactError, match="target 'opencl', whose runtime this TVM installation"
+                                            " lacks") as err:
+        load_artifact(prepared.artifact_dir)
+    assert "--force" not in str(err.value)
 
 
 @pytest.mark.parametrize("cdt", DTYPES)
