@@ -392,6 +392,8 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     cfg = dict(QUICK if quick else FULL)
     if rounds is not None:
         cfg["rounds"] = rounds
+    for model in models:  # an unknown model fails before anything is written or measured
+        resolve_model(model)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS")},

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from paged_decode.cli import cache_cmd, compile_cmd, run_cmd
+from paged_decode.cli import bench_cmd, cache_cmd, compile_cmd, run_cmd
 
 
 @pytest.fixture
@@ -96,3 +96,10 @@ def test_readme_python_example_runs(artifact_root, monkeypatch, capsys):
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["logits"].shape == (scope["engine"].artifact.manifest["vocab_size"],)
     assert scope["session"].realize_count == 2  # realize_token and decode_raw
+
+
+def test_bench_rejects_an_unknown_model_before_writing(runner, tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(bench_cmd, ["--model", "tiny", "--model", "tinyy", "--out", str(out)])
+    assert result.exit_code == 1 and result.output.startswith("error: model 'tinyy'")
+    assert not out.exists()
