@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -85,10 +86,8 @@ def test_cache_says_when_empty(runner, tmp_path):
     assert result.exit_code == 0 and result.output.startswith("no artifacts or weight packs in")
 
 
-def test_readme_python_example_runs(artifact_root, monkeypatch, capsys):
+def test_readme_python_example_runs(artifact_root, monkeypatch):
     """The README's Python API block, executed as written (artifacts in the session's root)."""
-    from pathlib import Path
-
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))

@@ -338,6 +338,7 @@ def test_hf_tokenizer_export(llama_ckpt, tmp_path):
 
 def test_default_model_by_its_name(smollm_gguf):
     """``--model SmolLM2-135M-Instruct`` (any case) is the default, not an unknown model."""
+    default = resolve_model(None)
     for name in ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"):
         source = resolve_model(name)
-        assert source.path == smollm_gguf and source.weights_key == resolve_model(None).weights_key
+        assert source.path == smollm_gguf and source.weights_key == default.weights_key
