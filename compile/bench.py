@@ -276,6 +276,13 @@ def _over_pairs(pairs: list, value) -> dict:
 TWO_REGIMES = 1.3  # highest / lowest bandwidth reading above which a run saw both regimes
 
 
+def regime_split(readings) -> float | None:
+    """The GB/s that separates the two regimes: the geometric mean of the lowest and highest
+    reading, or None when the run saw one regime only (max / min below ``TWO_REGIMES``)."""
+    lo, hi = min(readings), max(readings)
+    return float(np.sqrt(lo * hi)) if hi / lo >= TWO_REGIMES else None
+
+
 def _by_regime(pairs: list, split: float | None, value) -> dict:
     """``value`` over the stable pairs above and below ``split`` GB/s (the pair's mean reading)."""
     if split is None:
@@ -311,6 +318,9 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
     def floor(pair: dict, c: int) -> float:  # ms/token at the pair's own bandwidth
         return bpt[c] / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
 
+    split = regime_split(bw)
+    ours_ff = {c: (lambda p, c=c: floor(p, c) / _ours_ms(p)) for c in ctxs}
+
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
            "decode_ms": {c: float(np.median([t for p in pairs[c] for t in p["ours_ms"]]))
@@ -318,8 +328,9 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
            "prefill_tps": {p: float(np.median(v)) for p, v in o_pre.items()},
            "bytes_per_token": bpt,
            # per pair: the floor (bytes / the pair's bandwidth) over our time
-           "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: floor(p, c) / _ours_ms(p))
-                              for c in ctxs},
+           "floor_fraction": {c: _over_pairs(pairs[c], ours_ff[c]) for c in ctxs},
+           "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, ours_ff[c])
+                                        for c in ctxs},
            "paged_vs_contiguous": {"context": big, **_over_pairs(
                pairs[big], lambda p: p["scattered_ms"] / _ours_ms(p))},
            "replan": ours.replan_ratio(cfg["replan"])}
@@ -330,26 +341,24 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
         baselines_out["llama.cpp"] = {"skipped": lc_skip}
     else:
         l_pre = raw["prefill_tps"]["llama.cpp"]
+        lc_ff = {c: (lambda p, c=c: floor(p, c) / p["llama.cpp_ms"]) for c in ctxs}
         baselines_out["llama.cpp"] = {
             "decode_ms": {c: float(np.median([p["llama.cpp_ms"] for p in pairs[c]]))
                           for c in ctxs},
             "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()},
-            "floor_fraction": {c: _over_pairs(pairs[c], lambda p, c=c: floor(p, c) / p[
-                "llama.cpp_ms"]) for c in ctxs}}
+            "floor_fraction": {c: _over_pairs(pairs[c], lc_ff[c]) for c in ctxs},
+            "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, lc_ff[c])
+                                         for c in ctxs}}
         # ours tok/s over llama.cpp's = their ms / ours, within each stable pair
         ratio = lambda p: p["llama.cpp_ms"] / _ours_ms(p)  # noqa: E731
-        # the two regimes split at the geometric mean of the extreme readings
-        split = (float(np.sqrt(min(bw) * max(bw))) if max(bw) / min(bw) >= TWO_REGIMES
-                 else None)
         res["vs_llamacpp"] = {
             "decode": {c: _over_pairs(pairs[c], ratio) for c in ctxs},
-            "regime_split_gbps": split,
             "decode_by_regime": {c: _by_regime(pairs[c], split, ratio) for c in ctxs},
             "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(model, dtype, cfg, say)
     return {"model": model, "dtype": dtype, "bandwidth_gbps": float(np.median(bw)),
-            "bandwidth_samples": bw, "pairs": pairs, "ours": res,
+            "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
             "baselines": baselines_out}
 

@@ -15,27 +15,41 @@ def _fmt_spread(d: dict, digits: int = 2) -> str:
     return out + (f" [{d['stable']}/{d['pairs']}]" if "stable" in d else "")
 
 
+def _regime_cells(by_ctx: dict, contexts) -> str:
+    """``median (pairs)`` per context and regime from a ``{ctx: _by_regime(...)}`` mapping."""
+    cells = []
+    for c in contexts:
+        by = by_ctx[c]
+        cells += [f"{by[k]['median']:.2f} ({by[k]['pairs']})" if k in by else "—"
+                  for k in ("fast", "slow")]
+    return " | ".join(cells)
+
+
 def _regime_lines(report: dict, contexts) -> list[str]:
-    """Decode ratios split by bandwidth regime, for runs that saw both regimes."""
-    runs = [r for r in report["runs"] if (r["ours"].get("vs_llamacpp") or {}).get(
-        "regime_split_gbps")]
+    """Decode ratios and floor fractions split by bandwidth regime, for runs that saw both."""
+    runs = [r for r in report["runs"] if r.get("regime_split_gbps")]
     if not runs:
         return []
-    lines = ["", "The same decode ratios split by bandwidth regime (stable pairs whose mean "
-             "reading is above / below the split, the geometric mean of the run's lowest and "
-             "highest reading; number of pairs in brackets):", "",
-             "| model | dtype | split GB/s | " + " | ".join(
-                 f"ctx {c} fast | ctx {c} slow" for c in contexts) + " |",
-             "|---|---|---|" + "---|---|" * len(contexts)]
-    for run in runs:
-        vs = run["ours"]["vs_llamacpp"]
-        cells = []
-        for c in contexts:
-            by = vs["decode_by_regime"][c]
-            cells += [f"{by[k]['median']:.2f} ({by[k]['pairs']})" if k in by else "—"
-                      for k in ("fast", "slow")]
-        lines.append(f"| {run['model']} | {run['dtype']} | {vs['regime_split_gbps']:.1f} | "
-                     + " | ".join(cells) + " |")
+    head = " | ".join(f"ctx {c} fast | ctx {c} slow" for c in contexts) + " |"
+    rule = "---|---|" * len(contexts)
+    lines = ["", "Split by bandwidth regime (stable pairs whose mean reading is above / below "
+             "the split, the geometric mean of the run's lowest and highest reading; number of "
+             "pairs in brackets; — : no stable pair in that regime).", ""]
+    with_lc = [r for r in runs if "vs_llamacpp" in r["ours"]]
+    if with_lc:
+        lines += ["Ours over llama.cpp, tokens/s:", "",
+                  "| model | dtype | split GB/s | " + head, "|---|---|---|" + rule]
+        lines += [f"| {r['model']} | {r['dtype']} | {r['regime_split_gbps']:.1f} | "
+                  + _regime_cells(r["ours"]["vs_llamacpp"]["decode_by_regime"], contexts) + " |"
+                  for r in with_lc]
+        lines.append("")
+    lines += ["Fraction of the bandwidth floor (each pair against its own readings):", "",
+              "| model | dtype | engine | " + head, "|---|---|---|" + rule]
+    for r in runs:
+        for name, res in {"paged-decode": r["ours"], **r["baselines"]}.items():
+            if "floor_fraction_by_regime" in res:
+                lines.append(f"| {r['model']} | {r['dtype']} | {name} | "
+                             + _regime_cells(res["floor_fraction_by_regime"], contexts) + " |")
     return lines
 
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from paged_decode.cli import bench_cmd
-from paged_decode.compile import bench
+from paged_decode.compile import bench, bench_report
 
 
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
@@ -42,6 +42,10 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
         frac = ours["floor_fraction"][c]
         assert 0 < frac["min"] <= frac["median"] <= frac["max"]
         assert frac["pairs"] == len(pairs) and 0 <= frac["stable"] <= rounds
+        by = ours["floor_fraction_by_regime"][c]
+        assert run["regime_split_gbps"] is not None or by == {}
+        split_counted = frac["stable"] if run["regime_split_gbps"] else 0
+        assert sum(v["pairs"] for v in by.values()) == split_counted
     assert ours["paged_vs_contiguous"]["median"] > 0 and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
@@ -104,3 +108,34 @@ def test_unstable_pairs_are_redone_up_to_the_retry_limit(monkeypatch):
     pairs = bench._bracketed_rounds(Ours(), None, cfg, lambda _m: None)["pairs"][16]
     assert [(p["attempt"], p["stable"]) for p in pairs] == [
         (0, False), (1, True), (0, False), (1, False), (2, False), (0, True)]
+
+
+def test_regime_split_needs_both_regimes():
+    assert bench.regime_split([33.0, 34.0, 35.0]) is None  # one regime: no split
+    assert bench.regime_split([33.0, 58.0, 60.0]) == pytest.approx(np.sqrt(33.0 * 60.0))
+
+
+def _regime_run(name, ff_fast, ff_slow, lc=True):
+    by = lambda f, s: {16: {"fast": {"median": f, "pairs": 2}, "slow": {"median": s, "pairs": 1}}}  # noqa: E731
+    run = {"model": name, "dtype": "float32", "regime_split_gbps": 44.5,
+           "ours": {"floor_fraction_by_regime": by(ff_fast, ff_slow)}, "baselines": {}}
+    if lc:
+        run["ours"]["vs_llamacpp"] = {"decode_by_regime": {16: {"slow": {"median": 1.07,
+                                                                         "pairs": 3}}}}
+        run["baselines"]["llama.cpp"] = {"floor_fraction_by_regime": by(0.61, 0.83)}
+    run["baselines"]["hf-eager"] = {"skipped": "not installed"}
+    return run
+
+
+def test_markdown_splits_ratios_and_floor_fractions_by_regime():
+    report = {"runs": [_regime_run("a", 0.78, 0.93), _regime_run("b", 0.70, 0.90, lc=False),
+                       {**_regime_run("c", 0.5, 0.5), "regime_split_gbps": None}]}
+    lines = bench_report._regime_lines(report, [16])
+    assert "| a | float32 | 44.5 | — | 1.07 (3) |" in lines  # no fast pair: a dash
+    assert "| a | float32 | paged-decode | 0.78 (2) | 0.93 (1) |" in lines
+    assert "| a | float32 | llama.cpp | 0.61 (2) | 0.83 (1) |" in lines
+    assert "| b | float32 | paged-decode | 0.70 (2) | 0.90 (1) |" in lines
+    assert not any(line.startswith("| b | float32 | 44.5") for line in lines)  # no llama.cpp
+    assert not any(line.startswith("| c |") for line in lines)  # one regime only
+    one = {"runs": [{**_regime_run("c", 0.5, 0.5), "regime_split_gbps": None}]}
+    assert bench_report._regime_lines(one, [16]) == []
