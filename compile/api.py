@@ -138,12 +138,13 @@ def _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_d
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
 
 
-def prepare(model: str | None = None, *, target: str | None = None, block_size: int = 16,
+def prepare(model: "str | ModelSource | None" = None, *, target: str | None = None, block_size: int = 16,
             max_context: int | None = None, max_blocks_cap: int | None = None,
             cache_dtype: str = "float32", weight_dtype: str = "float32",
             artifacts: str | Path | None = None, policy: str | None = None,
             force: bool = False, progress: Callable[[str], None] | None = None) -> Prepared:
-    """Resolve the model, then build (or reuse) its artifact and weight pack.
+    """Resolve the model (or take a resolved ``ModelSource``), then build (or reuse) its
+    artifact and weight pack.
 
     ``progress`` receives a line before each long step (compile, weight conversion).
     Safe to call from several threads or processes at once on one artifact root: one of them

@@ -24,7 +24,7 @@ import numpy as np
 from . import baselines
 from .baselines import median_ms
 from .api import prepare
-from .weights import resolve_model
+from .weights import ModelSource, resolve_model
 
 # Each run alternates ``rounds`` rounds of: per context a bracketed pair (bandwidth, ours,
 # llama.cpp, ours, bandwidth), redone up to ``retries`` times while it straddles a regime flip,
@@ -193,12 +193,11 @@ def _pause():
     time.sleep(SWITCH_PAUSE_S)
 
 
-def _start_llamacpp(model: str, dtype: str, n_ctx: int, workdir: Path, say):
+def _start_llamacpp(source: ModelSource, dtype: str, n_ctx: int, workdir: Path, say):
     """(engine, None), or (None, reason) when llama.cpp cannot run."""
     reason = baselines.llamacpp_available()
     if reason:
         return None, reason
-    source = resolve_model(model)
     gguf = baselines.write_gguf(source.config, source.load_params("float32"),
                                 workdir / f"bench-{dtype}.gguf", dtype)
     say(f"  llama.cpp {dtype} on {gguf.name}")
@@ -295,15 +294,16 @@ def _by_regime(pairs: list, split: float | None, value) -> dict:
     return out
 
 
-def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -> dict:
+def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
+             workdir: Path) -> dict:
     """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
     (tiny), HF eager."""
     max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
-    prepared = prepare(model, block_size=16, max_context=max_ctx, cache_dtype=dtype,
+    prepared = prepare(source, block_size=16, max_context=max_ctx, cache_dtype=dtype,
                        weight_dtype=dtype, artifacts=artifacts)
     ours = _Ours(prepared)
     m = ours.m
-    lc, lc_skip = _start_llamacpp(model, dtype, max_ctx + 64, workdir, say)
+    lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say)
     try:
         raw = _bracketed_rounds(ours, lc, cfg, say)
     finally:
@@ -356,7 +356,7 @@ def _run_one(model: str, dtype: str, cfg: dict, artifacts, say, workdir: Path) -
             "decode_by_regime": {c: _by_regime(pairs[c], split, ratio) for c in ctxs},
             "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
-    baselines_out["hf-eager"] = _hf(model, dtype, cfg, say)
+    baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
     return {"model": model, "dtype": dtype, "bandwidth_gbps": float(np.median(bw)),
             "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
@@ -373,24 +373,23 @@ def _in_child(fn, *args):
         return pool.apply(fn, args)
 
 
-def _hf_child(model: str, cfg: dict) -> dict:
+def _hf_child(source: ModelSource, cfg: dict) -> dict:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    source = resolve_model(model)
     model_hf = baselines.hf_model(source.config, source.load_params("float32"), "float32")
     return baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 2, 4),
                              cfg["prompts"])
 
 
-def _hf(model: str, dtype: str, cfg: dict, say) -> dict:
+def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
     """HF transformers eager (float32 only), once, in a child."""
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
     if dtype != "float32":
         return {"skipped": "HF eager float16 on CPU has no fast kernels; float32 only"}
     say("  HF transformers eager float32")
-    return _in_child(_hf_child, model, cfg)
+    return _in_child(_hf_child, source, cfg)
 
 
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
@@ -401,8 +400,9 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     cfg = dict(QUICK if quick else FULL)
     if rounds is not None:
         cfg["rounds"] = rounds
-    for model in models:  # an unknown model fails before anything is written or measured
-        resolve_model(model)
+    # resolved (and an HF or GGUF model's weights hashed) once: an unknown model fails before
+    # anything is written or measured
+    sources = {model: resolve_model(model) for model in models}
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS")},
@@ -412,7 +412,8 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
         for model in models:
             for dtype in dtypes:
                 say(f"{model} {dtype}")
-                report["runs"].append(_run_one(model, dtype, cfg, artifacts, say, Path(work)))
+                report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts, say,
+                                                    Path(work)))
     from .bench_report import write_outputs
 
     return write_outputs(report, out_dir)

@@ -64,9 +64,12 @@ class ModelSource:
         return _assemble(self.config, get, weight_dtype)
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: "str | ModelSource | None") -> ModelSource:
     """The source named by ``model``: None or "SmolLM2-135M-Instruct" (the default GGUF), a
-    preset, an HF dir or a .gguf."""
+    preset, an HF dir or a .gguf; an already resolved ``ModelSource`` is returned as it is (its
+    weights are not hashed again)."""
+    if isinstance(model, ModelSource):
+        return model
     if model is None or model.lower() == DEFAULT_NAME.lower():
         return _gguf_source(default_gguf())
     if model in config_mod.PRESETS:

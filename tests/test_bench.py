@@ -139,3 +139,19 @@ def test_markdown_splits_ratios_and_floor_fractions_by_regime():
     assert not any(line.startswith("| c |") for line in lines)  # one regime only
     one = {"runs": [{**_regime_run("c", 0.5, 0.5), "regime_split_gbps": None}]}
     assert bench_report._regime_lines(one, [16]) == []
+
+
+def test_each_model_is_resolved_once_and_passed_through(monkeypatch, tmp_path):
+    calls, seen = [], []
+    real = bench.resolve_model
+    monkeypatch.setattr(bench, "resolve_model", lambda m: calls.append(m) or real(m))
+    monkeypatch.setattr(bench, "_run_one", lambda model, source, dtype, *a: seen.append(
+        (model, source, dtype)) or {})
+    monkeypatch.setattr(bench_report, "write_outputs", lambda report, out: report)
+    bench.run_bench(["tiny", "llama-160m"], tmp_path / "out", quick=True)
+    assert calls == ["tiny", "llama-160m"]
+    assert [(m, s.config.name, d) for m, s, d in seen] == [
+        ("tiny", "tiny", "float32"), ("tiny", "tiny", "float16"),
+        ("llama-160m", "llama-160m", "float32"), ("llama-160m", "llama-160m", "float16")]
+    assert seen[0][1] is seen[1][1]  # the same resolved source for both dtypes
+    assert bench.resolve_model(seen[0][1]) is seen[0][1]  # a resolved source is kept as it is
