@@ -7,7 +7,7 @@ over x), with a bias or a residual
 epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
 chunks; each chunk reads its rows one after the other, each front to back with ``KU``
 independent accumulators: one sequential stream per core is what the hardware prefetcher follows
-best (interleaving 8 rows ran ~25 % slower per core); float16 rows also prefetch
+best (interleaving 8 rows ran ~25 % slower per core); small float16 GEMVs also prefetch
 ``PREFETCH_BYTES`` ahead (see ``prefetch_bytes``).  A row leaves its 16 partial sums in a
 ``RG``-row tile; the tile is reduced and its epilogue (bias, residual, SiLU) applied for all RG
 rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (per-row
@@ -48,16 +48,20 @@ RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) togethe
 
 
 PREFETCH_BYTES = 512  # how far ahead of its row stream a float16 GEMV prefetches into L2
+PREFETCH_MAX_SIDE = 1024
 
 
-def prefetch_bytes(wdt: str) -> int:
-    """The software-prefetch distance of a GEMV's row stream (0: none; the lines are flat
-    addresses, so near a row's end they are the next row's first).  float16 only: in-process
-    A/Bs of whole decode steps, 160M shape, float16, 2 threads, took 0.92-0.96x the time without
-    (contexts 16, 256, 1024; both bandwidth regimes) and about 1.0x (0.985-1.02) at the
-    TinyLlama shape; float32 ran 1.0x at 160M and 1.03-1.08x slower at TinyLlama, so it relies
-    on the hardware prefetcher alone."""
-    return PREFETCH_BYTES if wdt == "float16" else 0
+def prefetch_bytes(N: int, K: int, wdt: str) -> int:
+    """The software-prefetch distance of an N x K GEMV's row stream (0: none; the lines are flat
+    addresses, so near a row's end they are the next row's first): float16 weights with a side
+    of at most PREFETCH_MAX_SIDE, i.e. every GEMV of a model whose hidden size is that small.
+
+    Measured in in-process A/Bs of whole decode steps, 2 threads: at the 160M shape (hidden
+    768) float16 took 0.92-0.96x the time with it in the slow bandwidth regime and 0.95-1.0x in
+    the fast one; at the TinyLlama shape (hidden 2048) float16 took 0.99x (slow) and 1.02-1.04x
+    (fast), and float32 1.0x at 160M and 1.03-1.08x at TinyLlama, so those rely on the hardware
+    prefetcher alone."""
+    return PREFETCH_BYTES if wdt == "float16" and min(N, K) <= PREFETCH_MAX_SIDE else 0
 
 
 def _macros(K: int, eps: float, wdt: str, prefetch: int = 0):
@@ -198,7 +202,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
     chunks, per, loop = _plan(N, N * K)
     norm, xdt, pairs = norm_eps is not None, x_dtype(K, wdt), row_pairs(K, wdt)
-    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt, prefetch_bytes(wdt))
+    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt, prefetch_bytes(N, K, wdt))
     tiles, valid = -(-per // RG), _valid(per)
 
     @T.macro
@@ -245,7 +249,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
     chunks, per, loop = _plan(I, 2 * I * K)
-    normalize, tile_rows = _macros(K, norm_eps, wdt, prefetch_bytes(wdt))
+    normalize, tile_rows = _macros(K, norm_eps, wdt, prefetch_bytes(I, K, wdt))
     xdt = x_dtype(K, wdt)
     tiles, valid = -(-per // RG), _valid(per)
 
