@@ -95,6 +95,19 @@ def compile_cmd(print_key, verbose, **opts):
                f"(total {seconds:.2f} s), library {m['library_bytes'] / 1e6:.2f} MB")
 
 
+def _warn_over_capacity(engine, n_prompt: int, max_new_tokens: int) -> None:
+    """Say up front when the generation cannot reach ``max_new_tokens`` in the artifact's KV
+    capacity (a stop token may still end it sooner; a prompt that alone is too long is an error
+    from the prefill)."""
+    cap = engine.artifact.max_blocks_cap * engine.artifact.block_size
+    need = n_prompt + max_new_tokens - 1  # the last generated token is never written
+    if max_new_tokens > 0 and n_prompt <= cap < need:
+        click.echo(f"warning: the prompt ({n_prompt} tokens) and --max-new-tokens "
+                   f"{max_new_tokens} need {need} KV slots and the artifact holds {cap}: the "
+                   f"generation fails after {cap - n_prompt + 1} tokens unless a stop token ends "
+                   f"it; compile with --max-context {need} or more", err=True)
+
+
 @click.command("paged-run")
 @build_options
 @click.option("--prompt", required=True, help="the prompt text")
@@ -113,6 +126,7 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     prepared, _ = _prepare(**opts)
     engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+    _warn_over_capacity(engine, len(engine.encode_prompt(prompt, chat)), max_new_tokens)
     for piece in engine.stream_text(prompt, chat=chat, max_new_tokens=max_new_tokens,
                                     sampling=sampling):
         click.echo(piece, nl=False)

@@ -138,6 +138,21 @@ def _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_d
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
 
 
+def context_warning(config, max_context: int | None, max_blocks_cap: int | None,
+                    block_size: int) -> str | None:
+    """What to tell a user who asks for more tokens per sequence than the model was trained on
+    (``max_position_embeddings``): allowed, but positions past it are out of distribution."""
+    asked = max_context if max_context is not None else (
+        max_blocks_cap * block_size if max_blocks_cap is not None else None)
+    limit = config.max_position_embeddings
+    if asked is None or asked <= limit:
+        return None
+    flag = "--max-context" if max_context is not None else "--max-blocks-cap x --block-size"
+    return (f"{flag} asks for {asked} tokens per sequence, more than {config.name}'s "
+            f"max_position_embeddings ({limit}): positions past {limit} were never trained, so "
+            f"output there may degrade; pass --max-context {limit} or less to stay within it")
+
+
 def prepare(model: "str | ModelSource | None" = None, *, target: str | None = None, block_size: int = 16,
             max_context: int | None = None, max_blocks_cap: int | None = None,
             cache_dtype: str = "float32", weight_dtype: str = "float32",
@@ -153,6 +168,11 @@ def prepare(model: "str | ModelSource | None" = None, *, target: str | None = No
     say = progress or (lambda _msg: None)
     source = resolve_model(model)
     spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    warning = context_warning(source.config, max_context, max_blocks_cap, block_size)
+    if warning and progress is not None:
+        say(f"warning: {warning}")
+    elif warning:
+        log.warning("%s", warning)
     tspec = resolve_target(target)
     root = cache.artifacts_root(artifacts)
     policy = "redo" if force else cache.cache_policy(policy)

@@ -59,6 +59,27 @@ def test_run_tiny_streams_and_reports_speed(runner, artifact_root):
                                      "--max-new-tokens", "12"])
     assert result.exit_code == 0, result.output
     assert "decode: 11 tokens" in result.output and "tokens/s" in result.output
+    assert "warning" not in result.output
+
+
+def test_run_warns_up_front_when_the_generation_outgrows_the_artifact(runner, artifact_root):
+    from paged_decode.compile.api import prepare
+    from paged_decode.runtime.engine import Engine
+
+    p = prepare("tiny", block_size=4, max_context=64, artifacts=artifact_root)
+    n = len(Engine.load(p.artifact_dir, p.weights_dir).encode_prompt("hello"))
+    args = ["--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+            str(artifact_root), "--prompt", "hello"]
+    over = runner.invoke(run_cmd, args + ["--max-new-tokens", str(64 - n + 2)])
+    want = (f"warning: the prompt ({n} tokens) and --max-new-tokens {64 - n + 2} need 65 KV "
+            f"slots and the artifact holds 64: the generation fails after {64 - n + 1} tokens")
+    lines = over.output.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(want))  # before any text
+    assert all(line.startswith("[") for line in lines[:at]), over.output  # progress lines only
+    assert over.exit_code == 1 and "exceed max_tokens=64" in over.output  # the CapacityError
+    exact = runner.invoke(run_cmd, args + ["--max-new-tokens", str(64 - n + 1)])
+    assert exact.exit_code == 0 and "warning" not in exact.output, exact.output
+    assert f"decode: {64 - n} tokens" in exact.output
 
 
 def test_run_rejects_bad_sampling(runner, artifact_root):

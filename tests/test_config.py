@@ -155,3 +155,17 @@ def test_model_config_is_frozen_and_validates():
         cfg.n_layers = 3
     with pytest.raises(ConfigError, match="arch='gpt2'"):
         ModelConfig(**dict(cfg.__dict__, arch="gpt2"))
+
+
+def test_a_context_beyond_the_trained_positions_warns():
+    from paged_decode.compile.api import context_warning
+
+    cfg = config.preset("llama-160m")
+    lim = cfg.max_position_embeddings
+    assert context_warning(cfg, lim, None, 16) is None
+    assert context_warning(cfg, None, None, 16) is None  # the default stays within it
+    assert context_warning(cfg, None, lim // 16, 16) is None
+    msg = context_warning(cfg, lim + 1, None, 16)
+    assert msg.startswith(f"--max-context asks for {lim + 1} tokens") and f"({lim})" in msg
+    msg = context_warning(cfg, None, lim // 16 + 1, 16)
+    assert msg.startswith(f"--max-blocks-cap x --block-size asks for {lim + 16} tokens")
