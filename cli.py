@@ -95,17 +95,22 @@ def compile_cmd(print_key, verbose, **opts):
                f"(total {seconds:.2f} s), library {m['library_bytes'] / 1e6:.2f} MB")
 
 
-def _warn_over_capacity(engine, n_prompt: int, max_new_tokens: int) -> None:
+def _warn_over_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool) -> None:
     """Say up front when the generation cannot reach ``max_new_tokens`` in the artifact's KV
     capacity (a stop token may still end it sooner; a prompt that alone is too long is an error
     from the prefill)."""
-    cap = engine.artifact.max_blocks_cap * engine.artifact.block_size
+    art = engine.artifact
+    cap, bs = art.max_blocks_cap * art.block_size, art.block_size
     need = n_prompt + max_new_tokens - 1  # the last generated token is never written
-    if max_new_tokens > 0 and n_prompt <= cap < need:
-        click.echo(f"warning: the prompt ({n_prompt} tokens) and --max-new-tokens "
-                   f"{max_new_tokens} need {need} KV slots and the artifact holds {cap}: the "
-                   f"generation fails after {cap - n_prompt + 1} tokens unless a stop token ends "
-                   f"it; compile with --max-context {need} or more", err=True)
+    if max_new_tokens <= 0 or not n_prompt <= cap < need:
+        return
+    fix = f"--max-blocks-cap {-(-need // bs)}" if by_blocks else f"--max-context {need}"
+    limit = art.manifest["key"]["model"].get("max_position_embeddings")
+    beyond = (f" (above the model's max_position_embeddings, {limit})"
+              if limit is not None and need > limit else "")
+    _progress(f"warning: the prompt ({n_prompt} tokens) and --max-new-tokens {max_new_tokens} "
+              f"need {need} KV slots and the artifact holds {cap}: the generation fails after "
+              f"{cap - n_prompt + 1} tokens unless a stop token ends it; rerun with {fix}{beyond}")
 
 
 @click.command("paged-run")
@@ -126,10 +131,15 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     prepared, _ = _prepare(**opts)
     engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
-    _warn_over_capacity(engine, len(engine.encode_prompt(prompt, chat)), max_new_tokens)
-    for piece in engine.stream_text(prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                    sampling=sampling):
-        click.echo(piece, nl=False)
+    _warn_over_capacity(engine, len(engine.encode_prompt(prompt, chat)), max_new_tokens,
+                        opts["max_blocks_cap"] is not None)
+    try:
+        for piece in engine.stream_text(prompt, chat=chat, max_new_tokens=max_new_tokens,
+                                        sampling=sampling):
+            click.echo(piece, nl=False)
+    except PagedDecodeError:
+        click.echo()  # the error line starts on a line of its own, after the text so far
+        raise
     s = engine.generator.stats
     click.echo()
     click.echo(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s; "

@@ -138,22 +138,23 @@ def _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_d
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
 
 
-def context_warning(config, max_context: int | None, max_blocks_cap: int | None,
-                    block_size: int) -> str | None:
-    """What to tell a user who asks for more tokens per sequence than the model was trained on
-    (``max_position_embeddings``): allowed, but positions past it are out of distribution."""
-    asked = max_context if max_context is not None else (
-        max_blocks_cap * block_size if max_blocks_cap is not None else None)
-    limit = config.max_position_embeddings
-    if asked is None or asked <= limit:
+def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
+    """What to tell a user whose artifact holds more tokens per sequence than the model was
+    trained on (``max_position_embeddings``): allowed, but positions past it are out of
+    distribution.  ``by_blocks``: the capacity came from ``--max-blocks-cap``."""
+    tokens, bs = spec.max_blocks_cap * spec.block_size, spec.block_size
+    limit = spec.config.max_position_embeddings
+    if tokens <= limit:
         return None
-    flag = "--max-context" if max_context is not None else "--max-blocks-cap x --block-size"
-    return (f"{flag} asks for {asked} tokens per sequence, more than {config.name}'s "
-            f"max_position_embeddings ({limit}): positions past {limit} were never trained, so "
-            f"output there may degrade; pass --max-context {limit} or less to stay within it")
+    blocks = max(limit // bs, 1)
+    fix = f"--max-blocks-cap {blocks}" if by_blocks else f"--max-context {blocks * bs}"
+    return (f"the artifact holds {tokens} tokens per sequence ({spec.max_blocks_cap} blocks of "
+            f"{bs}), more than {spec.config.name}'s max_position_embeddings ({limit}): positions "
+            f"past {limit} were never trained, so output there may degrade; {fix} stays within it")
 
 
-def prepare(model: "str | ModelSource | None" = None, *, target: str | None = None, block_size: int = 16,
+def prepare(model: str | ModelSource | None = None, *, target: str | None = None,
+            block_size: int = 16,
             max_context: int | None = None, max_blocks_cap: int | None = None,
             cache_dtype: str = "float32", weight_dtype: str = "float32",
             artifacts: str | Path | None = None, policy: str | None = None,
@@ -161,14 +162,16 @@ def prepare(model: "str | ModelSource | None" = None, *, target: str | None = No
     """Resolve the model (or take a resolved ``ModelSource``), then build (or reuse) its
     artifact and weight pack.
 
-    ``progress`` receives a line before each long step (compile, weight conversion).
+    ``progress`` receives a line before each long step (compile, weight conversion), and a
+    ``warning: ...`` line for a capacity above the model's ``max_position_embeddings`` (without
+    ``progress`` that warning goes to the log).
     Safe to call from several threads or processes at once on one artifact root: one of them
     builds each entry, the others wait for its lock and reuse it (see :mod:`.cache`).
     """
     say = progress or (lambda _msg: None)
     source = resolve_model(model)
     spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
-    warning = context_warning(source.config, max_context, max_blocks_cap, block_size)
+    warning = context_warning(spec, by_blocks=max_blocks_cap is not None)
     if warning and progress is not None:
         say(f"warning: {warning}")
     elif warning:

@@ -64,7 +64,7 @@ class ModelSource:
         return _assemble(self.config, get, weight_dtype)
 
 
-def resolve_model(model: "str | ModelSource | None") -> ModelSource:
+def resolve_model(model: str | ModelSource | None) -> ModelSource:
     """The source named by ``model``: None or "SmolLM2-135M-Instruct" (the default GGUF), a
     preset, an HF dir or a .gguf; an already resolved ``ModelSource`` is returned as it is (its
     weights are not hashed again)."""

@@ -71,12 +71,18 @@ def test_run_warns_up_front_when_the_generation_outgrows_the_artifact(runner, ar
     args = ["--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
             str(artifact_root), "--prompt", "hello"]
     over = runner.invoke(run_cmd, args + ["--max-new-tokens", str(64 - n + 2)])
-    want = (f"warning: the prompt ({n} tokens) and --max-new-tokens {64 - n + 2} need 65 KV "
-            f"slots and the artifact holds 64: the generation fails after {64 - n + 1} tokens")
+    want = (f"] warning: the prompt ({n} tokens) and --max-new-tokens {64 - n + 2} need 65 KV "
+            f"slots and the artifact holds 64: the generation fails after {64 - n + 1} tokens "
+            "unless a stop token ends it; rerun with --max-context 65")
     lines = over.output.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith(want))  # before any text
-    assert all(line.startswith("[") for line in lines[:at]), over.output  # progress lines only
-    assert over.exit_code == 1 and "exceed max_tokens=64" in over.output  # the CapacityError
+    at = next(i for i, line in enumerate(lines) if want in line)
+    assert all(line.startswith("[") for line in lines[:at + 1]), over.output  # before any text
+    assert over.exit_code == 1 and lines[-1].startswith("error: ")  # on a line of its own
+    assert "65 tokens exceed max_tokens=64" in lines[-1]  # the CapacityError, where announced
+    by_blocks = [a if a != "--max-context" else "--max-blocks-cap" for a in args]
+    by_blocks[by_blocks.index("--max-blocks-cap") + 1] = "16"  # the same 64 tokens
+    over = runner.invoke(run_cmd, by_blocks + ["--max-new-tokens", str(64 - n + 2)])
+    assert "rerun with --max-blocks-cap 17\n" in over.output, over.output
     exact = runner.invoke(run_cmd, args + ["--max-new-tokens", str(64 - n + 1)])
     assert exact.exit_code == 0 and "warning" not in exact.output, exact.output
     assert f"decode: {64 - n} tokens" in exact.output

@@ -8,7 +8,7 @@ import pytest
 
 from paged_decode.compile import config
 from paged_decode.compile.config import ModelConfig, RopeScaling, from_hf_dict
-from paged_decode.runtime.errors import ConfigError
+from paged_decode.runtime.errors import ConfigError, PagedDecodeError
 
 LLAMA = {  # Llama-3.2-1B's shape (transformers 4.x spelling: top-level rope_theta / rope_scaling)
     "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
@@ -159,13 +159,44 @@ def test_model_config_is_frozen_and_validates():
 
 def test_a_context_beyond_the_trained_positions_warns():
     from paged_decode.compile.api import context_warning
+    from paged_decode.compile.build import make_spec
 
     cfg = config.preset("llama-160m")
     lim = cfg.max_position_embeddings
-    assert context_warning(cfg, lim, None, 16) is None
-    assert context_warning(cfg, None, None, 16) is None  # the default stays within it
-    assert context_warning(cfg, None, lim // 16, 16) is None
-    msg = context_warning(cfg, lim + 1, None, 16)
-    assert msg.startswith(f"--max-context asks for {lim + 1} tokens") and f"({lim})" in msg
-    msg = context_warning(cfg, None, lim // 16 + 1, 16)
-    assert msg.startswith(f"--max-blocks-cap x --block-size asks for {lim + 16} tokens")
+    spec = lambda **kw: make_spec(cfg, **kw)  # noqa: E731
+    assert context_warning(spec(max_context=lim)) is None
+    assert context_warning(spec(max_blocks_cap=lim // 16), by_blocks=True) is None
+    msg = context_warning(spec(max_context=lim + 1))  # rounded up to whole blocks
+    assert msg.startswith(f"the artifact holds {lim + 16} tokens per sequence ({lim // 16 + 1} "
+                          f"blocks of 16), more than llama-160m's max_position_embeddings ({lim})")
+    assert msg.endswith(f"--max-context {lim} stays within it")
+    # a block size that does not divide the limit: the rounded capacity is what counts
+    msg = context_warning(spec(max_context=lim, block_size=48))
+    assert msg is not None and msg.endswith(f"--max-context {lim // 48 * 48} stays within it")
+    msg = context_warning(spec(max_blocks_cap=lim // 16 + 1), by_blocks=True)
+    assert msg.endswith(f"--max-blocks-cap {lim // 16} stays within it")
+
+
+def test_prepare_warns_before_it_builds(tmp_path, caplog):
+    from paged_decode.compile.api import prepare
+
+    lines = []
+    with pytest.raises(PagedDecodeError):  # readonly + an empty root: nothing is built
+        prepare("tiny", max_context=4160, artifacts=tmp_path, policy="readonly",
+                progress=lines.append)
+    assert lines[0].startswith("warning: the artifact holds 4160 tokens per sequence")
+    assert "tiny's max_position_embeddings (4096)" in lines[0]
+    with pytest.raises(PagedDecodeError):  # without a progress callback: the log
+        prepare("tiny", max_context=4160, artifacts=tmp_path, policy="readonly")
+    assert any("the artifact holds 4160 tokens" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)
+
+
+def test_prepare_takes_a_resolved_source_without_hashing_again(tmp_path, llama_ckpt,
+                                                               monkeypatch):
+    from paged_decode.compile import api, weights
+
+    source = weights.resolve_model(str(llama_ckpt.path))
+    monkeypatch.setattr(weights, "_sha256_files", lambda paths: pytest.fail("hashed again"))
+    with pytest.raises(PagedDecodeError):  # readonly: stops at the missing artifact
+        api.prepare(source, max_context=64, artifacts=tmp_path, policy="readonly")
