@@ -44,11 +44,12 @@ def _regime_lines(report: dict, contexts) -> list[str]:
                   for r in with_lc]
         lines.append("")
     lines += ["Fraction of the bandwidth floor (each pair against its own readings):", "",
-              "| model | dtype | engine | " + head, "|---|---|---|" + rule]
+              "| model | dtype | split GB/s | engine | " + head, "|---|---|---|---|" + rule]
     for r in runs:
         for name, res in {"paged-decode": r["ours"], **r["baselines"]}.items():
             if "floor_fraction_by_regime" in res:
-                lines.append(f"| {r['model']} | {r['dtype']} | {name} | "
+                lines.append(f"| {r['model']} | {r['dtype']} | {r['regime_split_gbps']:.1f} | "
+                             f"{name} | "
                              + _regime_cells(res["floor_fraction_by_regime"], contexts) + " |")
     return lines
 

@@ -7,8 +7,8 @@ over x), with a bias or a residual
 epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
 chunks; each chunk reads its rows one after the other, each front to back with ``KU``
 independent accumulators: one sequential stream per core is what the hardware prefetcher follows
-best (interleaving 8 rows ran ~25 % slower per core); small float16 GEMVs also prefetch
-``PREFETCH_BYTES`` ahead (see ``prefetch_bytes``).  A row leaves its 16 partial sums in a
+best (interleaving 8 rows ran ~25 % slower per core); the float16 GEMVs of models with a
+hidden size of at most 1024 also prefetch ``PREFETCH_BYTES`` ahead (see ``prefetch_bytes``).  A row leaves its 16 partial sums in a
 ``RG``-row tile; the tile is reduced and its epilogue (bias, residual, SiLU) applied for all RG
 rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (per-row
 reductions cost a third of an f16 GEMV's time when its weights sit in cache).  Small matrices
