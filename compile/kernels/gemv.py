@@ -3,16 +3,16 @@
 Optionally fused with the RMSNorm that precedes it (``xn = x * rsqrt(mean(x^2) + eps) * g``,
 computed once per call into a K-element scratch before the row loop; see ``x_dtype`` for when
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
-over x), with a bias or a residual
-epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
-chunks; each chunk reads its rows one after the other, each front to back with ``KU``
-independent accumulators: one sequential stream per core is what the hardware prefetcher follows
-best (interleaving 8 rows ran ~25 % slower per core); the float16 GEMVs of models with a
-hidden size of at most 1024 also prefetch ``PREFETCH_BYTES`` ahead (see ``prefetch_bytes``).  A row leaves its 16 partial sums in a
-``RG``-row tile; the tile is reduced and its epilogue (bias, residual, SiLU) applied for all RG
-rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (per-row
-reductions cost a third of an f16 GEMV's time when its weights sit in cache).  Small matrices
-run serially: waking the thread pool costs more than they do.
+over x), with a bias or a residual epilogue, or with SwiGLU over gate/up rows. Rows are split
+into a fixed number of parallel chunks; each chunk reads its rows one after the other, each
+front to back with ``KU`` independent accumulators: one sequential stream per core is what the
+hardware prefetcher follows best (interleaving 8 rows ran ~25 % slower per core); the float16
+GEMVs of models with a hidden size of at most 1024 also prefetch ``PREFETCH_BYTES`` ahead (see
+``prefetch_bytes``). A row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced
+and its epilogue (bias, residual, SiLU) applied for all RG rows at once, so no row ends in a
+serial horizontal-sum / exp / divide chain (per-row reductions cost a third of an f16 GEMV's
+time when its weights sit in cache). Small matrices run serially: waking the thread pool costs
+more than they do.
 
 SwiGLU reads a chunk's gate rows, then its up rows (two long runs, 0.83 -> 0.9-1.0 of the
 streaming-read bandwidth at the 160M and 1.1B shapes, against switching every RG rows).
@@ -57,10 +57,10 @@ def prefetch_bytes(N: int, K: int, wdt: str) -> int:
     of at most PREFETCH_MAX_SIDE, i.e. every GEMV of a model whose hidden size is that small.
 
     Measured in in-process A/Bs of whole decode steps, 2 threads: at the 160M shape (hidden
-    768) float16 took 0.92-0.96x the time with it in the slow bandwidth regime and 0.95-1.0x in
+    768) float16 took 0.92-0.98x the time with it in the slow bandwidth regime and 0.95-1.0x in
     the fast one; at the TinyLlama shape (hidden 2048) float16 took 0.99x (slow) and 1.02-1.04x
-    (fast), and float32 1.0x at 160M and 1.03-1.08x at TinyLlama, so those rely on the hardware
-    prefetcher alone."""
+    (fast), and float32 1.0x at 160M and 1.03-1.08x at TinyLlama (512-1024 B ahead), so those
+    rely on the hardware prefetcher alone."""
     return PREFETCH_BYTES if wdt == "float16" and min(N, K) <= PREFETCH_MAX_SIDE else 0
 
 
