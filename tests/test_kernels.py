@@ -343,18 +343,3 @@ def test_embedding_gathers_and_rejects_out_of_range_ids():
         with pytest.raises(Exception, match="out of range"):
             fn(_t(np.array([1, bad, 2], np.int32)), _t(table), x)
 
-
-def test_float16_gemvs_prefetch_only_for_small_hidden_sizes():
-    from paged_decode.compile.kernels import gemv as G
-
-    on = G.PREFETCH_BYTES
-    assert on > 0
-    # every decode GEMV has the model's hidden size as one side
-    assert [G.prefetch_bytes(n, k, "float16") for n, k in
-            ((2304, 768), (768, 2048), (32000, 768))] == [on] * 3  # 160M (hidden 768)
-    assert [G.prefetch_bytes(n, k, "float16") for n, k in
-            ((2560, 2048), (2048, 5632), (32000, 2048))] == [0] * 3  # TinyLlama (hidden 2048)
-    assert G.prefetch_bytes(2304, 768, "float32") == 0
-    assert "llvm.prefetch" in G.gemv(40, 72, "float16").script()
-    assert "llvm.prefetch" in G.gemv_swiglu(40, 72, "float16", 1e-5).script()
-    assert "llvm.prefetch" not in G.gemv(40, 72, "float32").script()

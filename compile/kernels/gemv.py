@@ -3,16 +3,15 @@
 Optionally fused with the RMSNorm that precedes it (``xn = x * rsqrt(mean(x^2) + eps) * g``,
 computed once per call into a K-element scratch before the row loop; see ``x_dtype`` for when
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
-over x), with a bias or a residual epilogue, or with SwiGLU over gate/up rows. Rows are split
-into a fixed number of parallel chunks; each chunk reads its rows one after the other, each
-front to back with ``KU`` independent accumulators: one sequential stream per core is what the
-hardware prefetcher follows best (interleaving 8 rows ran ~25 % slower per core); the float16
-GEMVs of models with a hidden size of at most 1024 also prefetch ``PREFETCH_BYTES`` ahead (see
-``prefetch_bytes``). A row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced
-and its epilogue (bias, residual, SiLU) applied for all RG rows at once, so no row ends in a
-serial horizontal-sum / exp / divide chain (per-row reductions cost a third of an f16 GEMV's
-time when its weights sit in cache). Small matrices run serially: waking the thread pool costs
-more than they do.
+over x), with a bias or a residual
+epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
+chunks; each chunk reads its rows one after the other, each front to back with ``KU``
+independent accumulators: one sequential stream per core is what the hardware prefetcher follows
+best (interleaving 8 rows ran ~25 % slower per core).  A row leaves its 16 partial sums in a
+``RG``-row tile; the tile is reduced and its epilogue (bias, residual, SiLU) applied for all RG
+rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (per-row
+reductions cost a third of an f16 GEMV's time when its weights sit in cache).  Small matrices
+run serially: waking the thread pool costs more than they do.
 
 SwiGLU reads a chunk's gate rows, then its up rows (two long runs, 0.83 -> 0.9-1.0 of the
 streaming-read bandwidth at the 160M and 1.1B shapes, against switching every RG rows).
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import CACHE_LINE, VL, cached, dtype_tag, finalize, lane_sum_macro, prefetch_l2
+from .common import VL, cached, dtype_tag, finalize, lane_sum_macro
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -47,29 +46,9 @@ X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
 
-PREFETCH_BYTES = 512  # how far ahead of its row stream a float16 GEMV prefetches into L2
-PREFETCH_MAX_SIDE = 1024
-
-
-def prefetch_bytes(N: int, K: int, wdt: str) -> int:
-    """The software-prefetch distance of an N x K GEMV's row stream (0: none; the lines are flat
-    addresses, so near a row's end they are the next row's first): float16 weights with a side
-    of at most PREFETCH_MAX_SIDE, i.e. every GEMV of a model whose hidden size is that small.
-
-    Measured in in-process A/Bs of whole decode steps, 2 threads: at the 160M shape (hidden
-    768) float16 took 0.92-0.98x the time with it in the slow bandwidth regime and 0.95-1.0x in
-    the fast one; at the TinyLlama shape (hidden 2048) float16 took 0.99x (slow) and 1.02-1.04x
-    (fast), and float32 1.0x at 160M and 1.03-1.08x at TinyLlama (512-1024 B ahead), so those
-    rely on the hardware prefetcher alone."""
-    return PREFETCH_BYTES if wdt == "float16" and min(N, K) <= PREFETCH_MAX_SIDE else 0
-
-
-def _macros(K: int, eps: float, wdt: str, prefetch: int = 0):
+def _macros(K: int, eps: float):
     KO, KT = K // (VL * KU), K % (VL * KU)
     lane_sum = lane_sum_macro(VL)
-    esz = 4 if wdt == "float32" else 2
-    pf_el, line_el = prefetch // esz, CACHE_LINE // esz
-    pf_lines = max(1, KU * VL // line_el)  # cache lines one ko step reads
 
     @T.macro
     def normalize(x, g, xn):
@@ -107,18 +86,10 @@ def _macros(K: int, eps: float, wdt: str, prefetch: int = 0):
             R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
 
     @T.macro
-    def prefetch_ahead(W, c, k):
-        """The lines PREFETCH_BYTES past W[c, k:k + KU * VL] (flat, so into the next rows)."""
-        if pf_el > 0:
-            for j in T.unroll(pf_lines):
-                prefetch_l2(T.address_of(W[c, k + pf_el + j * line_el]))
-
-    @T.macro
     def dot_row(xs, W, acc, R, r, c):
         """R[r, :] = VL partial sums of xs . W[c, :], reading the row front to back."""
         clear(acc)
         for ko in range(KO):
-            prefetch_ahead(W, c, ko * KU * VL)
             for u in T.unroll(KU):
                 for v in T.vectorized(VL):
                     fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
@@ -202,7 +173,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
     chunks, per, loop = _plan(N, N * K)
     norm, xdt, pairs = norm_eps is not None, x_dtype(K, wdt), row_pairs(K, wdt)
-    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt, prefetch_bytes(N, K, wdt))
+    normalize, tile_rows = _macros(K, norm_eps or 0.0)
     tiles, valid = -(-per // RG), _valid(per)
 
     @T.macro
@@ -249,7 +220,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
     chunks, per, loop = _plan(I, 2 * I * K)
-    normalize, tile_rows = _macros(K, norm_eps, wdt, prefetch_bytes(I, K, wdt))
+    normalize, tile_rows = _macros(K, norm_eps)
     xdt = x_dtype(K, wdt)
     tiles, valid = -(-per // RG), _valid(per)
 
