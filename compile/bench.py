@@ -204,7 +204,7 @@ def _start_llamacpp(source: ModelSource, dtype: str, n_ctx: int, workdir: Path, 
     return baselines.LlamaCpp(gguf, n_ctx, os.cpu_count() or 1, dtype), None
 
 
-def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
+def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) -> dict:
     """``cfg["rounds"]`` rounds; in each, per context, one bracketed pair (:func:`_pair`), redone
     up to ``cfg["retries"]`` times while it is not stable; then both prefills back to back.  The
     readings of ours and of the bandwidth on both sides of llama.cpp's tell whether the machine
@@ -219,7 +219,7 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
         for c in ctxs:
             for attempt in range(1 + cfg["retries"]):  # a pair that straddled a flip is redone
                 pair = _pair(ours, lc, c, n, warm if attempt == 0 else LATER_WARMUP_S,
-                             cfg["bw_mb"], scattered=c == big)
+                             cfg["bw_mb"], scattered=c == big, floor_bytes=(bpt or {}).get(c))
                 pair["attempt"] = attempt
                 pairs[c].append(pair)
                 if pair["stable"]:
@@ -233,9 +233,11 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say) -> dict:
     return {"pairs": pairs, "prefill_tps": prefill}
 
 
-def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: bool) -> dict:
+def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: bool,
+          floor_bytes: int | None = None) -> dict:
     """One bracketed pair at context ``c``: bandwidth, ours, [scattered], llama.cpp, ours,
-    bandwidth."""
+    bandwidth; with ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the
+    ms/token at its mean bandwidth reading."""
     pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)]}
     if scattered:
         pair["scattered_ms"] = ours.decode_ms(c, n, warm, scattered=True)
@@ -245,18 +247,25 @@ def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: b
         _pause()
     pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
     pair["bandwidth_gbps"].append(measure_bandwidth(bw_mb))
+    if floor_bytes is not None:
+        pair["floor_ms"] = floor_bytes / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
     pair["stable"] = _stable(pair)
     return pair
 
 
 STABLE_MS, STABLE_BW = 1.08, 1.15  # max/min within a pair that still counts as one regime
+MAX_FLOOR_FRACTION = 1.15  # an engine "faster than the floor" by more: the memory sped up
 
 
 def _stable(pair: dict) -> bool:
     """Our two readings within 8 % and the two bandwidth readings within 15 %: no regime flip
-    inside the pair (a flip moves either by 30-80 % on this machine)."""
+    inside the pair (a flip moves either by 30-80 % on this machine).  Where the pair keeps its
+    floor, no reading may beat it by more than ``MAX_FLOOR_FRACTION``: that catches a flip
+    into the fast regime and back inside llama.cpp's reading, which the brackets miss."""
     a, bw = pair["ours_ms"], pair["bandwidth_gbps"]
-    return max(a) / min(a) <= STABLE_MS and max(bw) / min(bw) <= STABLE_BW
+    readings = a + ([pair["llama.cpp_ms"]] if pair.get("llama.cpp_ms") else [])
+    beats_floor = "floor_ms" in pair and pair["floor_ms"] / min(readings) > MAX_FLOOR_FRACTION
+    return max(a) / min(a) <= STABLE_MS and max(bw) / min(bw) <= STABLE_BW and not beats_floor
 
 
 def _ours_ms(pair: dict) -> float:
@@ -304,13 +313,13 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     ours = _Ours(prepared)
     m = ours.m
     lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say)
+    ctxs, big = cfg["contexts"], max(cfg["contexts"])
+    bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
     try:
-        raw = _bracketed_rounds(ours, lc, cfg, say)
+        raw = _bracketed_rounds(ours, lc, cfg, say, bpt)
     finally:
         if lc is not None:
             lc.close()
-    ctxs, big = cfg["contexts"], max(cfg["contexts"])
-    bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
     pairs = raw["pairs"]
     bw = [b for c in ctxs for p in pairs[c] for b in p["bandwidth_gbps"]]
     o_pre = raw["prefill_tps"]["ours"]

@@ -37,6 +37,8 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
         for pair, after in zip(pairs, pairs[1:] + [None]):
             assert len(pair["ours_ms"]) == 2 and len(pair["bandwidth_gbps"]) == 2
             assert pair["stable"] == bench._stable(pair)
+            want_floor = ours["bytes_per_token"][c] / (np.mean(pair["bandwidth_gbps"]) * 1e9)
+            assert pair["floor_ms"] == pytest.approx(want_floor * 1e3)
             redone = after is not None and after["attempt"] > 0
             assert redone == (not pair["stable"] and pair["attempt"] < retries)
         frac = ours["floor_fraction"][c]
@@ -76,6 +78,18 @@ def test_a_pair_across_a_regime_flip_is_not_stable():
     assert _pair((10.0, 10.5), (33.0, 35.0))["stable"]
     assert not _pair((10.0, 15.0), (33.0, 35.0))["stable"]  # ours moved: a flip
     assert not _pair((10.0, 10.2), (33.0, 55.0))["stable"]  # the bandwidth moved: a flip
+
+
+@pytest.mark.parametrize("lc_ms, stable", [(12.0, True), (9.0, True), (7.0, False)])
+def test_a_reading_far_below_the_floor_is_a_flip(lc_ms, stable):
+    """Floor 10 ms: llama.cpp at 9 ms (1.11x the floor) is within the estimate's error; at 7 ms
+    (1.43x) the memory sped up under its reading, though both brackets agree."""
+    pair = {"ours_ms": [10.5, 10.6], "bandwidth_gbps": [33.0, 33.5], "llama.cpp_ms": lc_ms,
+            "floor_ms": 10.0}
+    assert bench._stable(pair) is stable
+    assert bench._stable({**pair, "ours_ms": [8.0, 8.1], "llama.cpp_ms": 12.0}) is False
+    del pair["floor_ms"]  # no floor kept: the brackets alone decide
+    assert bench._stable(pair)
 
 
 def test_ratios_use_stable_pairs_and_split_by_regime():
