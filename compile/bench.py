@@ -324,11 +324,9 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     bw = [b for c in ctxs for p in pairs[c] for b in p["bandwidth_gbps"]]
     o_pre = raw["prefill_tps"]["ours"]
 
-    def floor(pair: dict, c: int) -> float:  # ms/token at the pair's own bandwidth
-        return bpt[c] / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
-
     split = regime_split(bw)
-    ours_ff = {c: (lambda p, c=c: floor(p, c) / _ours_ms(p)) for c in ctxs}
+    # each pair kept its floor (ms/token at its own bandwidth, see _pair)
+    ours_ff = lambda p: p["floor_ms"] / _ours_ms(p)  # noqa: E731
 
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
@@ -337,9 +335,8 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
            "prefill_tps": {p: float(np.median(v)) for p, v in o_pre.items()},
            "bytes_per_token": bpt,
            # per pair: the floor (bytes / the pair's bandwidth) over our time
-           "floor_fraction": {c: _over_pairs(pairs[c], ours_ff[c]) for c in ctxs},
-           "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, ours_ff[c])
-                                        for c in ctxs},
+           "floor_fraction": {c: _over_pairs(pairs[c], ours_ff) for c in ctxs},
+           "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, ours_ff) for c in ctxs},
            "paged_vs_contiguous": {"context": big, **_over_pairs(
                pairs[big], lambda p: p["scattered_ms"] / _ours_ms(p))},
            "replan": ours.replan_ratio(cfg["replan"])}
@@ -350,14 +347,13 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
         baselines_out["llama.cpp"] = {"skipped": lc_skip}
     else:
         l_pre = raw["prefill_tps"]["llama.cpp"]
-        lc_ff = {c: (lambda p, c=c: floor(p, c) / p["llama.cpp_ms"]) for c in ctxs}
+        lc_ff = lambda p: p["floor_ms"] / p["llama.cpp_ms"]  # noqa: E731
         baselines_out["llama.cpp"] = {
             "decode_ms": {c: float(np.median([p["llama.cpp_ms"] for p in pairs[c]]))
                           for c in ctxs},
             "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()},
-            "floor_fraction": {c: _over_pairs(pairs[c], lc_ff[c]) for c in ctxs},
-            "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, lc_ff[c])
-                                         for c in ctxs}}
+            "floor_fraction": {c: _over_pairs(pairs[c], lc_ff) for c in ctxs},
+            "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, lc_ff) for c in ctxs}}
         # ours tok/s over llama.cpp's = their ms / ours, within each stable pair
         ratio = lambda p: p["llama.cpp_ms"] / _ours_ms(p)  # noqa: E731
         res["vs_llamacpp"] = {
