@@ -342,4 +342,3 @@ def test_embedding_gathers_and_rejects_out_of_range_ids():
     for bad in (V, -1):
         with pytest.raises(Exception, match="out of range"):
             fn(_t(np.array([1, bad, 2], np.int32)), _t(table), x)
-
