@@ -25,7 +25,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import CACHE_LINE, cached, dtype_tag, finalize, lane_sum_macro, pick_tile, prefetch_l2
+from .common import (CACHE_LINE, cached, dtype_tag, finalize, lane_slice, lane_sum_macro, pick_tile,
+                     prefetch_l2, scratch_buffer)
 from .fastmath import fexp
 from .linear import token_dim
 
@@ -56,19 +57,20 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 prefetch_l2(T.address_of(v_pool[T.Cast("int64", bt[0, b]), kvh,
                                                 line * per_line // D, line * per_line % D]))
 
+    def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
+        return T.Cast("int64", bt[0, b])
+
     @T.macro
-    def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx):
-        s = T.decl_buffer((G, bs), "float32", scope="local")
-        acc = T.decl_buffer((G, D), "float32", scope="local")
-        R = T.decl_buffer((bs, DV), "float32", scope="local")
-        st = T.decl_buffer((G, 4), "float32", scope="local")  # running max, sum, block max, rescale
+    def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, R):
+        """``acc`` (G, D) and ``R`` (bs, DV): the caller's float32 scratch for this head."""
+        s = scratch_buffer((G, bs))
+        st = scratch_buffer((G, 4))  # running max, sum, block max, rescale
         for g in range(G):
             st[g, 0] = T.float32(-3.0e38)
             st[g, 1] = T.float32(0)
             for d in T.vectorized(D):
                 acc[g, d] = T.float32(0)
         for b in range((ctx + bs - 1) // bs):
-            pb = T.Cast("int64", bt[0, b])
             prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
             for g, t in T.grid(G, bs):
                 s[g, t] = T.float32(-3.0e38)
@@ -79,7 +81,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                     for do in range(D // DV):
                         for v in T.vectorized(DV):
                             R[t, v] = R[t, v] + q[row, (kvh * G + g) * D + do * DV + v] * T.Cast(
-                                "float32", k_pool[pb, kvh, t, do * DV + v])
+                                "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
                 for t in range(T.min(bs, ctx - b * bs)):
                     lane_sum(R, t)
                     s[g, t] = R[t, 0] * T.float32(scale)
@@ -98,30 +100,34 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for g in range(G):
                     st[g, 1] = st[g, 1] + s[g, t]
                     for d in T.vectorized(D):
-                        acc[g, d] = acc[g, d] + s[g, t] * T.Cast("float32", v_pool[pb, kvh, t, d])
+                        acc[g, d] = acc[g, d] + s[g, t] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
         for g in range(G):
             for d in T.vectorized(D):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[g, 1]
 
-    return attend
+    return attend, (G, D), (bs, DV)
 
 
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    attend = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    attend, acc_shape, r_shape = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
         assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
         for b in range((context_len + bs - 1) // bs):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
+        acc_all = T.decl_buffer((Hkv,) + acc_shape, "float32")  # per-head scratch, one block
+        r_all = T.decl_buffer((Hkv,) + r_shape, "float32")
         if context_len * Hq * D >= PARALLEL_MIN_WORK:
             for kvh in T.parallel(Hkv):
-                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len,
+                       lane_slice(acc_all, kvh, acc_shape), lane_slice(r_all, kvh, r_shape))
         else:  # a short context costs less than waking the thread pool
             for kvh in T.serial(Hkv):
-                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len)
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len,
+                       lane_slice(acc_all, kvh, acc_shape), lane_slice(r_all, kvh, r_shape))
 
     return body
 
@@ -165,7 +171,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 @cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    attend = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    attend, acc_shape, r_shape = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     n = token_dim(None)
 
@@ -181,6 +187,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
             for b in range((start_pos + n + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
             for ik in T.parallel(n * Hkv):
-                attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1)
+                attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1,
+                       scratch_buffer(acc_shape), scratch_buffer(r_shape))
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import math
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -69,3 +71,103 @@ def lane_sum_macro(width: int):
             buf[r, 0] = buf[r, 0] + buf[r, 1]
 
     return lane_sum
+
+
+STACK_BYTES = 1024  # TVM's kMaxStackAlloca
+
+
+def scratch_buffer(shape: tuple, dtype: str = "float32"):
+    """A kernel-local scratch buffer, on the stack when TVM allows it (LLVM then keeps small
+    ones in registers).  TVM lowers a "local"-scope buffer, or any of ``STACK_BYTES`` or more,
+    on the CPU to a ``TVMBackendAllocWorkspace`` / ``FreeWorkspace`` pair at every entry of the
+    enclosing loop body: in a GEMV split 64 ways that was 384 calls per launch (~40 ns each).
+    Only a "global"-scope buffer under ``STACK_BYTES`` stays an ``alloca``.  Scratch that cannot
+    (a 16 x 16 float32 tile is exactly 1 KiB) is better declared once outside the parallel loop
+    and sliced per lane (``lane_slice``); what is left here falls back to the workspace."""
+    if math.prod(shape) * np.dtype(dtype).itemsize < STACK_BYTES:
+        return T.decl_buffer(shape, dtype)
+    return T.decl_buffer(shape, dtype, scope="local")
+
+
+def lane_slice(whole, lane, shape: tuple):
+    """The ``lane``-th ``shape`` slice of ``whole`` (declared once, outside the parallel loop,
+    as ``(lanes, *shape)``): per-lane scratch without a heap allocation per loop entry."""
+    return T.decl_buffer(shape, whole.dtype, data=whole.data,
+                         elem_offset=lane * math.prod(shape))
+
+
+MAX_LANES = 64  # parallel lanes a shared loop is split into (TVM hands each thread a block)
+
+
+def _compiler_barrier():
+    """A call LLVM must assume reads and writes memory, so the claim counters are re-read after
+    it rather than hoisted out of the loop (``llvm.readcyclecounter``: rdtsc on x86, no fence)."""
+    return T.evaluate(T.call_llvm_intrin("int64", "llvm.readcyclecounter"))
+
+
+def claimed_units(units: int, parallel: bool):
+    """``(run, lanes)``: ``run(proc, *args)`` calls ``proc(lane, u, *args)`` once or more for
+    every ``u`` in ``range(units)``; ``lanes`` is how many distinct ``lane`` values it passes
+    (for per-lane scratch).  ``proc`` must be idempotent (the same stores for the same ``u``).
+
+    Serial: lane 0 runs every unit in order.  Parallel: ``lanes = min(units, MAX_LANES)`` lanes
+    own contiguous runs of units, as even as possible; TVM's thread pool hands each thread a
+    contiguous block of lanes and runs them in order.  A static split left the two halves of a
+    GEMV finishing 5-66 us apart in a 300 us call (one core slower, or woken later), so:
+
+    - each lane claims its own units front to back (``front`` counter), and stops where a thief
+      has claimed from the back (``back`` counter);
+    - a lane that finds the next lane already started is the last its thread runs (lanes of one
+      thread run one after the other, so that lane belongs to another thread); it then walks the
+      other lanes and claims their unclaimed units from the far end, one at a time.
+
+    The CPU backend has no atomics, so claims are plain int32 stores and loads (atomic on every
+    target this runs on).  A unit is run only after its claim is stored, and a lane skips a
+    unit only when it reads a claim for it, so every unit runs; two lanes may both run the
+    unit they meet at (a stale read), which is harmless for idempotent units.  The counters
+    live on the caller's stack (3 int32 per lane)."""
+    if not parallel:
+        @T.macro
+        def run_serial(proc, *args):
+            for u in range(units):
+                proc(0, u, *args)
+
+        return run_serial, 1
+
+    lanes = min(units, MAX_LANES)
+    seg = -(-units // lanes)  # most units a lane owns
+
+    def first(w):
+        return w * units // lanes
+
+    def owned(w):
+        return (w + 1) * units // lanes - w * units // lanes
+
+    def other(w, d):  # an expression, not a TVMScript assignment (that allocates a buffer)
+        return (w + d) % lanes
+
+    @T.macro
+    def run(proc, *args):
+        claims = T.decl_buffer((lanes * 3,), "int32")  # per lane: front, back, started
+        for i in range(lanes * 3):
+            claims[i] = 0
+        for w in T.parallel(lanes):
+            claims[w * 3 + 2] = 1
+            for i in range(seg):
+                _compiler_barrier()
+                if i + claims[w * 3 + 1] < owned(w):
+                    claims[w * 3] = i + 1
+                    proc(w, first(w) + i, *args)
+            _compiler_barrier()
+            if claims[T.min(w + 1, lanes - 1) * 3 + 2] == 1:  # the last lane of this thread
+                for d in range(1, lanes):
+                    _compiler_barrier()
+                    if claims[other(w, d) * 3] + claims[other(w, d) * 3 + 1] < owned(other(w, d)):
+                        for i in range(seg):
+                            _compiler_barrier()
+                            if (i >= claims[other(w, d) * 3 + 1]
+                                    and i + claims[other(w, d) * 3] < owned(other(w, d))):
+                                claims[other(w, d) * 3 + 1] = i + 1
+                                proc(w, first(other(w, d)) + owned(other(w, d)) - 1 - i, *args)
+
+    return run, lanes

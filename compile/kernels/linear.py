@@ -14,7 +14,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import VL, cached, dtype_tag, finalize, pick_tile
+from .common import VL, cached, dtype_tag, finalize, pick_tile, scratch_buffer
 from .fastmath import fexp
 from .signatures import matmul_func
 
@@ -28,6 +28,16 @@ def token_dim(n_static: int | None):
 
 TM = 4  # tokens per tile
 MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
+
+
+def _task(NT: int):
+    """(first token, weight tile, tokens) of parallel task ``task`` over ``n`` tokens: task =
+    (token block, weight tile), token block outermost.  Expressions, not TVMScript assignments
+    (a scalar assigned in a kernel loop becomes a heap workspace per iteration on the CPU)."""
+    def m0(task):
+        return task // NT * MB
+
+    return m0, (lambda task: task % NT), (lambda task, n: T.min(n - m0(task), MB))
 
 
 def _reduce_macro(K, wdt, TM, TN):
@@ -78,21 +88,20 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
                 y[m0 + r, c0 + c] = acc[r, c, 0]
 
     NT = N // TN
+    m0, co, rows = _task(NT)
 
     @T.macro
     def body(x, W, y, bias, res, n):
-        # tasks = (token block, weight tile), token block outermost: a thread sweeps the weight
-        # tiles (L3) against one block of activations that stays in its L2
+        # a thread sweeps the weight tiles (L3) against one block of activations in its L2
         for task in T.parallel((n + MB - 1) // MB * NT):
-            acc = T.decl_buffer((TM, TN, VL), "float32", scope="local")
-            m0, co = task // NT * MB, task % NT
-            rows = T.min(n - m0, MB)
-            for mo in range(rows // TM):
-                acc_main(x, W, acc, m0 + mo * TM, co * TN)
-                store(y, acc, m0 + mo * TM, co * TN, TM, bias, res)
-            for mt in range(rows % TM):
-                acc_tail(x, W, acc, m0 + rows // TM * TM + mt, co * TN)
-                store(y, acc, m0 + rows // TM * TM + mt, co * TN, 1, bias, res)
+            acc = scratch_buffer((TM, TN, VL))
+            for mo in range(rows(task, n) // TM):
+                acc_main(x, W, acc, m0(task) + mo * TM, co(task) * TN)
+                store(y, acc, m0(task) + mo * TM, co(task) * TN, TM, bias, res)
+            for mt in range(rows(task, n) % TM):
+                acc_tail(x, W, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN)
+                store(y, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1,
+                      bias, res)
 
     func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
     return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
@@ -103,6 +112,7 @@ def linear_swiglu(I: int, K: int, wdt: str):
     """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
     TN = pick_tile(I, (4, 2, 1))
     NT = I // TN
+    m0, co, rows = _task(NT)
     acc_main = _reduce_macro(K, wdt, TM, TN)
     acc_tail = _reduce_macro(K, wdt, 1, TN)
     n = token_dim(None)
@@ -118,17 +128,16 @@ def linear_swiglu(I: int, K: int, wdt: str):
         act = T.match_buffer(var_act, (n, I), "float32")
         with T.sblock("root"):
             for task in T.parallel((n + MB - 1) // MB * NT):
-                g = T.decl_buffer((TM, TN, VL), "float32", scope="local")
-                u = T.decl_buffer((TM, TN, VL), "float32", scope="local")
-                m0, co = task // NT * MB, task % NT
-                rows = T.min(n - m0, MB)
-                for mo in range(rows // TM):
-                    acc_main(x, W, g, m0 + mo * TM, co * TN)
-                    acc_main(x, W, u, m0 + mo * TM, I + co * TN)
-                    store(act, g, u, m0 + mo * TM, co * TN, TM)
-                for mt in range(rows % TM):
-                    acc_tail(x, W, g, m0 + rows // TM * TM + mt, co * TN)
-                    acc_tail(x, W, u, m0 + rows // TM * TM + mt, I + co * TN)
-                    store(act, g, u, m0 + rows // TM * TM + mt, co * TN, 1)
+                g = scratch_buffer((TM, TN, VL))
+                u = scratch_buffer((TM, TN, VL))
+                for mo in range(rows(task, n) // TM):
+                    acc_main(x, W, g, m0(task) + mo * TM, co(task) * TN)
+                    acc_main(x, W, u, m0(task) + mo * TM, I + co(task) * TN)
+                    store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
+                for mt in range(rows(task, n) % TM):
+                    acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN)
+                    acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
+                             I + co(task) * TN)
+                    store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import cached, VL, dtype_tag, finalize
+from .common import VL, cached, dtype_tag, finalize, scratch_buffer
 from .linear import token_dim
 
 
@@ -40,27 +40,28 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
     HO, HT = H // VL, H % VL
     rows_out = 1 if last_only else n
 
+    def src(i):  # the input row of output row i (an expression: see ``scratch_buffer``)
+        return n - 1 if last_only else i
+
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, w: T.Buffer((H,), "float32"), var_y: T.handle):
         x = T.match_buffer(var_x, (n, H), "float32")
         y = T.match_buffer(var_y, (rows_out, H), "float32")
         with T.sblock("root"):
             for i in T.parallel(rows_out):
-                acc = T.decl_buffer((VL,), "float32", scope="local")
-                src = T.decl_buffer((1,), "int64", scope="local")
-                src[0] = n - 1 if last_only else i
+                acc = scratch_buffer((VL,))
                 for v in T.vectorized(VL):
                     acc[v] = T.float32(0)
                 for ho in range(HO):
                     for v in T.vectorized(VL):
-                        acc[v] = acc[v] + x[src[0], ho * VL + v] * x[src[0], ho * VL + v]
+                        acc[v] = acc[v] + x[src(i), ho * VL + v] * x[src(i), ho * VL + v]
                 for v in range(HT):
-                    acc[v] = acc[v] + x[src[0], HO * VL + v] * x[src[0], HO * VL + v]
+                    acc[v] = acc[v] + x[src(i), HO * VL + v] * x[src(i), HO * VL + v]
                 for v in range(1, VL):
                     acc[0] = acc[0] + acc[v]
                 acc[1] = T.rsqrt(acc[0] / T.float32(H) + T.float32(eps))
                 for h in T.vectorized(H):
-                    y[i, h] = x[src[0], h] * acc[1] * w[h]
+                    y[i, h] = x[src(i), h] * acc[1] * w[h]
 
     suffix = "_last" if last_only else ""
     tag = "dec" if n_static == 1 else "pre"

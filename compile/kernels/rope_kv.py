@@ -18,30 +18,32 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, finalize
+from .common import cached, dtype_tag, finalize, scratch_buffer
 from .linear import token_dim
 
 
 def _rope_macro(Hq, Hkv, D, cdt):
     half = D // 2
 
+    # Plain functions, not TVMScript assignments: a scalar assigned in a kernel loop is lowered
+    # to a heap workspace allocated and freed at every iteration on the CPU.
+    def rotated(qkv, cs, i, col, d):
+        """(first, second) half of head column ``col``'s pair ``d`` rotated by RoPE."""
+        x0, x1 = qkv[i, col + d], qkv[i, col + d + half]
+        return x0 * cs[0, d] - x1 * cs[1, d], x1 * cs[0, d] + x0 * cs[1, d]
+
     @T.macro
     def rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, i, pos, blk, slot):
-        cs = T.decl_buffer((2, half), "float32", scope="local")  # cos, sin of each frequency
+        cs = scratch_buffer((2, half))  # cos, sin of each frequency
         for d in range(half):  # once per token, shared by every head (libm calls dominate)
-            ang = T.Cast("float32", pos) * inv_freq[d]
-            cs[0, d] = T.cos(ang)
-            cs[1, d] = T.sin(ang)
+            cs[0, d] = T.cos(T.Cast("float32", pos) * inv_freq[d])
+            cs[1, d] = T.sin(T.Cast("float32", pos) * inv_freq[d])
         for h, d in T.grid(Hq, half):
-            x0 = qkv[i, h * D + d]
-            x1 = qkv[i, h * D + d + half]
-            q_rot[i, h * D + d] = x0 * cs[0, d] - x1 * cs[1, d]
-            q_rot[i, h * D + d + half] = x1 * cs[0, d] + x0 * cs[1, d]
+            q_rot[i, h * D + d] = rotated(qkv, cs, i, h * D, d)[0]
+            q_rot[i, h * D + d + half] = rotated(qkv, cs, i, h * D, d)[1]
         for h, d in T.grid(Hkv, half):
-            k0 = qkv[i, (Hq + h) * D + d]
-            k1 = qkv[i, (Hq + h) * D + d + half]
-            k_pool[blk, h, slot, d] = T.Cast(cdt, k0 * cs[0, d] - k1 * cs[1, d])
-            k_pool[blk, h, slot, d + half] = T.Cast(cdt, k1 * cs[0, d] + k0 * cs[1, d])
+            k_pool[blk, h, slot, d] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[0])
+            k_pool[blk, h, slot, d + half] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[1])
         for h in range(Hkv):
             for d in T.vectorized(D):
                 v_pool[blk, h, slot, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])

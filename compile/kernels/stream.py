@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, finalize
+from .common import VL, finalize, scratch_buffer
 
 ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores
@@ -24,7 +24,7 @@ def stream_read(n_rows: int):
              partial: T.Buffer((CHUNKS, VL), "float32")):
         with T.sblock("root"):
             for c in T.parallel(CHUNKS):
-                acc = T.decl_buffer((KU, VL), "float32", scope="local")
+                acc = scratch_buffer((KU, VL))
                 for u, v in T.grid(KU, VL):
                     acc[u, v] = T.float32(0)
                 for r, ko in T.grid(n_rows, ROW // (VL * KU)):
