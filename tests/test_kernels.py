@@ -230,7 +230,7 @@ def test_prefill_linear(wdt, n, epilogue):
 
 
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
-# serial plan; parallel with partial last chunk; chunks of several row tiles, the last partial
+# serial; 63 lanes of one 16-row unit, the last unit partial; 64 lanes of 2-3 units, last partial
 @pytest.mark.parametrize("N,K", [(40, 72), (1000, 520), (2500, 300)])
 @pytest.mark.parametrize("epilogue,norm", [("none", False), ("none", True), ("bias", True),
                                            ("residual", False)])

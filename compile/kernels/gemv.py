@@ -4,16 +4,18 @@ Optionally fused with the RMSNorm that precedes it (``xn = x * rsqrt(mean(x^2) +
 computed once per call into a K-element scratch before the row loop; see ``x_dtype`` for when
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
 over x), with a bias or a residual
-epilogue, or with SwiGLU over gate/up rows.  Rows are split into a fixed number of parallel
-chunks; each chunk reads its rows one after the other, each front to back with ``KU``
+epilogue, or with SwiGLU over gate/up rows.  Rows are processed in units of ``RG`` rows (SwiGLU:
+``SWIGLU_UNIT_TILES`` x RG gate rows then the same up rows), each row front to back with ``KU``
 independent accumulators: one sequential stream per core is what the hardware prefetcher follows
-best (interleaving 8 rows ran ~25 % slower per core).  A row leaves its 16 partial sums in a
-``RG``-row tile; the tile is reduced and its epilogue (bias, residual, SiLU) applied for all RG
-rows at once, so no row ends in a serial horizontal-sum / exp / divide chain (per-row
-reductions cost a third of an f16 GEMV's time when its weights sit in cache).  Small matrices
-run serially: waking the thread pool costs more than they do.
+best (interleaving 8 rows ran ~25 % slower per core).  Units are shared out by
+``claimed_units``: each parallel lane owns a contiguous run of them, and the last lane a thread
+runs then claims the units other threads have not reached, from the far end (see there).  A
+row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced and its epilogue (bias,
+residual, SiLU) applied for all RG rows at once, so no row ends in a serial horizontal-sum / exp
+/ divide chain (per-row reductions cost a third of an f16 GEMV's time when its weights sit in
+cache).  Small matrices run serially: waking the thread pool costs more than they do.
 
-SwiGLU reads a chunk's gate rows, then its up rows (two long runs, 0.83 -> 0.9-1.0 of the
+SwiGLU reads a unit's gate rows, then its up rows (two runs of 128 rows: 0.83 -> 0.9-1.0 of the
 streaming-read bandwidth at the 160M and 1.1B shapes, against switching every RG rows).
 
 Buffers (float32 activations; W in the weight dtype; N, K static):
@@ -25,21 +27,14 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, cached, dtype_tag, finalize, lane_sum_macro
+from .common import (VL, cached, claimed_units, dtype_tag, finalize, lane_slice, lane_sum_macro,
+                     scratch_buffer)
 from .fastmath import fexp
 from .signatures import gemv_func
 
-MAX_CHUNKS = 64
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
 KU = 4  # independent accumulators along K (hides the FMA latency)
-
-
-def _plan(rows: int, elems: int):
-    """(parallel chunks, rows per chunk, loop kind) for ``rows`` outputs reading ``elems``
-    weights."""
-    par = elems >= PARALLEL_MIN_ELEMS
-    chunks = min(rows, MAX_CHUNKS) if par else 1
-    return chunks, -(-rows // chunks), (T.parallel if par else T.serial)
+SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: its gate and its up rows are 128-row runs
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
@@ -53,8 +48,8 @@ def _macros(K: int, eps: float):
     @T.macro
     def normalize(x, g, xn):
         """xn = x * rsqrt(mean(x^2) + eps) * g."""
-        part = T.decl_buffer((VL,), "float32", scope="local")
-        st = T.decl_buffer((1,), "float32", scope="local")
+        part = scratch_buffer((VL,))
+        st = scratch_buffer((1,))
         for v in T.vectorized(VL):
             part[v] = T.float32(0)
         for ko in range(K // VL):
@@ -122,7 +117,7 @@ def _macros(K: int, eps: float):
         """S[s0 + r] = xs . W[row0 + r, :] for the first ``n_valid`` rows of an RG-row tile, 0
         after; with ``pairs``, two rows per pass over x."""
         if pairs:
-            acc2 = T.decl_buffer((KU, VL), "float32", scope="local")
+            acc2 = scratch_buffer((KU, VL))
             for r2 in range(RG // 2):
                 if 2 * r2 + 1 < n_valid:
                     dot_row_pair(xs, W, acc, acc2, R, 2 * r2, row0 + 2 * r2)
@@ -163,18 +158,12 @@ def row_pairs(K: int, wdt: str) -> bool:
     return wdt == "float32" and K * 4 > X_L1_BYTES
 
 
-def _valid(per: int):
-    """Rows of tile ``t`` in chunk ``c`` that exist: within the chunk and below ``rows``."""
-    return lambda rows, c, t: T.min(T.min(RG, per - t * RG), rows - (c * per + t * RG))
-
-
 @cached
 def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None):
     """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
-    chunks, per, loop = _plan(N, N * K)
     norm, xdt, pairs = norm_eps is not None, x_dtype(K, wdt), row_pairs(K, wdt)
     normalize, tile_rows = _macros(K, norm_eps or 0.0)
-    tiles, valid = -(-per // RG), _valid(per)
+    run_units, lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
     def epilogue_store(y, bias, res, S, row, r):
@@ -186,16 +175,20 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
             y[0, row] = S[r]
 
     @T.macro
+    def unit(lane, u, R_all, xs, W, y, bias, res):
+        """Rows [u * RG, u * RG + RG) below N, on ``lane``'s slice of the reduction scratch."""
+        acc = scratch_buffer((KU, VL))
+        S = scratch_buffer((RG,))
+        R = lane_slice(R_all, lane, (RG, VL))
+        tile_rows(xs, W, acc, R, S, 0, u * RG, T.min(RG, N - u * RG), pairs)
+        for r in range(RG):
+            if r < N - u * RG:
+                epilogue_store(y, bias, res, S, u * RG + r, r)
+
+    @T.macro
     def rows(xs, W, y, bias, res):
-        for c in loop(chunks):
-            acc = T.decl_buffer((KU, VL), "float32", scope="local")
-            R = T.decl_buffer((RG, VL), "float32", scope="local")
-            S = T.decl_buffer((RG,), "float32", scope="local")
-            for t in range(tiles):
-                tile_rows(xs, W, acc, R, S, 0, c * per + t * RG, valid(N, c, t), pairs)
-                for r in range(RG):
-                    if r < valid(N, c, t):
-                        epilogue_store(y, bias, res, S, c * per + t * RG + r, r)
+        R_all = T.decl_buffer((lanes, RG, VL), "float32")  # 1 KiB per lane: one heap block
+        run_units(unit, R_all, xs, W, y, bias, res)
 
     @T.macro
     def body(x, g, W, y, bias, res):
@@ -219,10 +212,32 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 @cached
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
-    chunks, per, loop = _plan(I, 2 * I * K)
     normalize, tile_rows = _macros(K, norm_eps)
     xdt = x_dtype(K, wdt)
-    tiles, valid = -(-per // RG), _valid(per)
+    UT = SWIGLU_UNIT_TILES
+    UR = RG * UT  # act rows per unit
+    run_units, lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
+
+    @T.macro
+    def unit(lane, u, R_all, xn, W, act):
+        """act rows [u * UR, u * UR + UR) below I: all of the unit's gate rows, then all of its
+        up rows (two contiguous runs), then silu(gate) * up."""
+        acc = scratch_buffer((KU, VL))
+        gate = scratch_buffer((UR,))
+        up = scratch_buffer((UR,))
+        R = lane_slice(R_all, lane, (RG, VL))
+        for t in range(UT):
+            if u * UR + t * RG < I:
+                tile_rows(xn, W, acc, R, gate, t * RG, u * UR + t * RG,
+                          T.min(RG, I - u * UR - t * RG))
+        for t in range(UT):
+            if u * UR + t * RG < I:
+                tile_rows(xn, W, acc, R, up, t * RG, I + u * UR + t * RG,
+                          T.min(RG, I - u * UR - t * RG))
+        for r in T.vectorized(UR):
+            gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
+        for r in range(T.min(UR, I - u * UR)):
+            act[0, u * UR + r] = gate[r]
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
@@ -230,20 +245,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
         with T.sblock("root"):
             xn = T.decl_buffer((1, K), xdt)
             normalize(x, g, xn)
-            for c in loop(chunks):
-                acc = T.decl_buffer((KU, VL), "float32", scope="local")
-                R = T.decl_buffer((RG, VL), "float32", scope="local")
-                gate = T.decl_buffer((tiles * RG,), "float32", scope="local")
-                up = T.decl_buffer((tiles * RG,), "float32", scope="local")
-                # all of the chunk's gate rows, then all of its up rows: two long contiguous
-                # runs (alternating every RG rows cut the stream every RG rows)
-                for t in range(tiles):
-                    tile_rows(xn, W, acc, R, gate, t * RG, c * per + t * RG, valid(I, c, t))
-                for t in range(tiles):
-                    tile_rows(xn, W, acc, R, up, t * RG, I + c * per + t * RG, valid(I, c, t))
-                for r in T.vectorized(tiles * RG):
-                    gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
-                for r in range(T.min(per, I - c * per)):
-                    act[0, c * per + r] = gate[r]
+            R_all = T.decl_buffer((lanes, RG, VL), "float32")
+            run_units(unit, R_all, xn, W, act)
 
     return finalize(func, f"gemv_swiglu_{I}x{K}_{dtype_tag(wdt)}")
