@@ -35,7 +35,12 @@ PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention
 # A block of one head is a single block_size x D run (4 KB in f32 at D 64), which the hardware
 # prefetcher meets cold at every block (it does not follow the table); the kernel prefetches the
 # block PREFETCH_BLOCKS ahead into L2 instead.  At 160M shape, context 1024, with the pools out of
-# cache, that made attention 1.6-1.8x faster (scattered table, f32 and f16).
+# cache, that made attention 1.6-1.8x faster (scattered table, f32 and f16).  With one query head
+# per kv head the block's compute is short, and issuing all of a block's prefetches at once
+# (64-128 of them) stalled the core on its miss buffers: there the prefetches are spread, one
+# row of the future block per row processed (160M shape, ctx 1024 from DRAM: 0.77-0.96 of the
+# burst's time; 0.3-0.4 with the K/V in cache).  With 8 query heads per kv head (TinyLlama) the
+# block's compute hides the burst, and spreading ran 1.13-1.18x slower, so it stays a burst.
 PREFETCH_BLOCKS = 2
 
 
@@ -46,19 +51,28 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     DV = pick_tile(D, (16, 8, 4, 2, 1))
     lane_sum = lane_sum_macro(DV)
     per_line = CACHE_LINE // {"float32": 4, "float16": 2}[cdt]  # elements per cache line
+    spread = G == 1  # see PREFETCH_BLOCKS
+
+    def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
+        return T.Cast("int64", bt[0, b])
 
     @T.macro
     def prefetch_block(k_pool, v_pool, bt, kvh, b, n_blocks):
         """Prefetch the K and V rows of head ``kvh`` in the block ``b`` of the table, if any."""
         if b < n_blocks:
             for line in range(-(-(bs * D) // per_line)):
-                prefetch_l2(T.address_of(k_pool[T.Cast("int64", bt[0, b]), kvh,
+                prefetch_l2(T.address_of(k_pool[block(bt, b), kvh,
                                                 line * per_line // D, line * per_line % D]))
-                prefetch_l2(T.address_of(v_pool[T.Cast("int64", bt[0, b]), kvh,
+                prefetch_l2(T.address_of(v_pool[block(bt, b), kvh,
                                                 line * per_line // D, line * per_line % D]))
 
-    def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
-        return T.Cast("int64", bt[0, b])
+    @T.macro
+    def prefetch_row(k_pool, v_pool, bt, kvh, b, n_blocks, t):
+        """Prefetch row ``t`` of head ``kvh``'s K and V in block ``b`` of the table, if any."""
+        if b < n_blocks:
+            for line in T.unroll(-(-D // per_line)):
+                prefetch_l2(T.address_of(k_pool[block(bt, b), kvh, t, line * per_line]))
+                prefetch_l2(T.address_of(v_pool[block(bt, b), kvh, t, line * per_line]))
 
     @T.macro
     def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, R):
@@ -71,7 +85,8 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for d in T.vectorized(D):
                 acc[g, d] = T.float32(0)
         for b in range((ctx + bs - 1) // bs):
-            prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
+            if not spread:
+                prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
             for g, t in T.grid(G, bs):
                 s[g, t] = T.float32(-3.0e38)
             for g in range(G):  # q.K for the block's rows, reduced together (no serial chain)
@@ -97,6 +112,8 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for t in T.vectorized(bs):
                     s[g, t] = fexp(s[g, t] - st[g, 0])
             for t in range(T.min(bs, ctx - b * bs)):
+                if spread:
+                    prefetch_row(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs, t)
                 for g in range(G):
                     st[g, 1] = st[g, 1] + s[g, t]
                     for d in T.vectorized(D):
