@@ -8,6 +8,12 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from paged_decode.runtime.artifact import set_threads
+
+# TVM sizes its CPU pool once, at its first parallel launch: start it as the runtime does (every
+# core) whatever a test runs first, so kernel tests run on as many threads as sessions do.
+set_threads()
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

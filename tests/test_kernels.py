@@ -273,7 +273,7 @@ def test_decode_gemv_large_k_reads_x_in_half_for_half_weights(norm):
     assert np.abs(y.numpy() - (0 if norm else res) - full).max() < 0.5  # rounding, not garbage
 
 
-@pytest.mark.parametrize("N", [301, 2048])  # 301: odd rows per chunk, a row without a pair
+@pytest.mark.parametrize("N", [301, 2048])  # 301: a last 16-row unit of 13 rows, one without a pair
 @pytest.mark.parametrize("K", [4608, 4616])  # 4616: a tail after the vector blocks
 def test_decode_gemv_large_k_float32_reads_rows_in_pairs(N, K):
     """K > 4096 with float32 weights: two rows per pass over x, every row still exact."""

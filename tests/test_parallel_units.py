@@ -61,6 +61,53 @@ def test_every_unit_runs(units, parallel):
     check_probe(units, parallel, calls=50)
 
 
+def slow_probe(units: int):
+    """``probe`` whose units in the upper half spin ~20 us each: with two or more threads, the
+    thread holding the lower lanes runs out of work first and must claim upper units."""
+    run, lanes = claimed_units(units, True)
+
+    @T.macro
+    def mark(lane, u, marks, out, spin):
+        marks[lane, u] = marks[lane, u] + 1
+        if u >= units // 2:
+            for k in range(20000):
+                spin[lane] = spin[lane] * T.float32(0.999) + T.float32(1)
+        out[u] = T.Cast("int32", u) + 1
+
+    @T.prim_func(s_tir=True)
+    def func(marks: T.Buffer((lanes, units), "int32"), out: T.Buffer((units,), "int32"),
+             spin: T.Buffer((lanes,), "float32")):
+        with T.sblock("root"):
+            run(mark, marks, out, spin)
+
+    name = f"slow_probe_{units}"
+    lib = tvm.compile(finalize(func, name), target=resolve_target(None).target)
+    return lib[name], lanes
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="stealing needs two cores")
+def test_idle_thread_claims_the_slow_threads_units_without_duplicating_them():
+    """Units are taken from a lane that another thread owns (the claims are read while the
+    lanes run: a load hoisted out of the claim loop would show as every stolen unit run twice)."""
+    assert tvm.runtime.num_threads() >= 2, "conftest starts TVM's pool on every core"
+    units = 128
+    fn, lanes = slow_probe(units)
+    owner = np.repeat(np.arange(lanes), np.diff([w * units // lanes for w in range(lanes + 1)]))
+    stolen = twice = 0
+    for _ in range(5):
+        marks = tvm.runtime.tensor(np.zeros((lanes, units), np.int32))
+        out = tvm.runtime.tensor(np.zeros(units, np.int32))
+        fn(marks, out, tvm.runtime.tensor(np.zeros(lanes, np.float32)))
+        np.testing.assert_array_equal(out.numpy(), np.arange(1, units + 1))
+        m = marks.numpy()
+        assert m.sum(0).min() >= 1
+        stolen += int(sum(m[lane, u] for u in range(units) for lane in range(lanes)
+                          if lane != owner[u] and m[lane, u]))
+        twice += int((m.sum(0) > 1).sum())
+    assert stolen >= 5 * units // 8, f"only {stolen} units stolen in 5 calls"
+    assert twice <= 5 * 2, f"{twice} units ran twice"
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_every_unit_runs_under_other_thread_counts(threads):
     """The claims never rely on how many threads TVM's pool has (one: the last lane finds every

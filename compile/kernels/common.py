@@ -121,6 +121,9 @@ def claimed_units(units: int, parallel: bool):
       thread run one after the other, so that lane belongs to another thread); it then walks the
       other lanes and claims their unclaimed units from the far end, one at a time.
 
+    A thread whose next lane has not started yet cannot tell a late-woken thread from its own
+    next lane, so it does not steal then; the highest thread (no next lane) always may.
+
     The CPU backend has no atomics, so claims are plain int32 stores and loads (atomic on every
     target this runs on).  A unit is run only after its claim is stored, and a lane skips a
     unit only when it reads a claim for it, so every unit runs; two lanes may both run the

@@ -230,10 +230,16 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
             if u * UR + t * RG < I:
                 tile_rows(xn, W, acc, R, gate, t * RG, u * UR + t * RG,
                           T.min(RG, I - u * UR - t * RG))
+            else:  # past I in the last unit: defined values for the vector SiLU (never stored)
+                for r in T.vectorized(RG):
+                    gate[t * RG + r] = T.float32(0)
         for t in range(UT):
             if u * UR + t * RG < I:
                 tile_rows(xn, W, acc, R, up, t * RG, I + u * UR + t * RG,
                           T.min(RG, I - u * UR - t * RG))
+            else:
+                for r in T.vectorized(RG):
+                    up[t * RG + r] = T.float32(0)
         for r in T.vectorized(UR):
             gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
         for r in range(T.min(UR, I - u * UR)):
