@@ -100,7 +100,7 @@ def _warn_over_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: b
     capacity (a stop token may still end it sooner; a prompt that alone is too long is an error
     from the prefill)."""
     art = engine.artifact
-    cap, bs = art.max_blocks_cap * art.block_size, art.block_size
+    cap, bs = art.max_tokens, art.block_size
     need = n_prompt + max_new_tokens - 1  # the last generated token is never written
     if max_new_tokens <= 0 or not n_prompt <= cap < need:
         return

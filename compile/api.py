@@ -142,7 +142,7 @@ def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
     """What to tell a user whose artifact holds more tokens per sequence than the model was
     trained on (``max_position_embeddings``): allowed, but positions past it are out of
     distribution.  ``by_blocks``: the capacity came from ``--max-blocks-cap``."""
-    tokens, bs = spec.max_blocks_cap * spec.block_size, spec.block_size
+    tokens, bs = spec.max_tokens, spec.block_size
     limit = spec.config.max_position_embeddings
     if tokens <= limit:
         return None

@@ -38,6 +38,11 @@ class BuildSpec:
     cache_dtype: str
     weight_dtype: str
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens one sequence can hold: ``max_blocks_cap * block_size``."""
+        return self.max_blocks_cap * self.block_size
+
 
 def _f32(*shape):
     return relax.TensorType(list(shape), "float32")

@@ -137,6 +137,11 @@ class Artifact:
     def block_size(self) -> int:
         return self.manifest["block_size"]
 
+    @property
+    def max_tokens(self) -> int:
+        """Tokens one sequence can hold: ``max_blocks_cap * block_size``."""
+        return self.max_blocks_cap * self.block_size
+
 
 def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) -> Artifact:
     """Verify and load ``path`` (a folder with manifest.json and the library)."""

@@ -124,7 +124,7 @@ class PagedDecodeSession:
         check_compatible(artifact, weights, pool)
         self.artifact, self.weights, self.pool = artifact, weights, pool
         self.key = validity_key_for(artifact, weights, pool)
-        self.max_tokens = artifact.max_blocks_cap * artifact.block_size
+        self.max_tokens = artifact.max_tokens
         self.vocab_size = artifact.manifest["vocab_size"]
         self._vm = artifact.new_vm()  # one VM per session: never shared between threads
         self._decode, self._prefill = self._vm["decode"], self._vm["prefill"]
