@@ -24,53 +24,15 @@ from paged_decode.compile.targets import resolve_target
 UNITS = [1, 5, MAX_LANES - 1, MAX_LANES, MAX_LANES + 1, 200]
 
 
-def probe(units: int, parallel: bool):
-    """A kernel whose unit ``u`` marks ``marks[lane, u]`` and writes ``out[u] = u + 1``."""
+def probe(units: int, parallel: bool, slow_below: int = 0):
+    """A kernel whose unit ``u`` adds 1 to ``marks[lane, u]`` and writes ``out[u] = u + 1``;
+    units below ``slow_below`` first spin ~20 us on ``spin[lane]``."""
     run, lanes = claimed_units(units, parallel)
-
-    @T.macro
-    def mark(lane, u, marks, out):
-        marks[lane, u] = 1
-        out[u] = T.Cast("int32", u) + 1
-
-    @T.prim_func(s_tir=True)
-    def func(marks: T.Buffer((lanes, units), "int32"), out: T.Buffer((units,), "int32")):
-        with T.sblock("root"):
-            run(mark, marks, out)
-
-    name = f"probe_{units}_{int(parallel)}"
-    lib = tvm.compile(finalize(func, name), target=resolve_target(None).target)
-    return lib[name], lanes
-
-
-def check_probe(units: int, parallel: bool, calls: int) -> None:
-    fn, lanes = probe(units, parallel)
-    for _ in range(calls):
-        marks = tvm.runtime.tensor(np.zeros((lanes, units), np.int32))
-        out = tvm.runtime.tensor(np.zeros(units, np.int32))
-        fn(marks, out)
-        np.testing.assert_array_equal(out.numpy(), np.arange(1, units + 1))
-        ran = marks.numpy().sum(0)
-        assert ran.min() >= 1, f"units {np.flatnonzero(ran == 0)} never ran"
-    assert lanes == (min(units, MAX_LANES) if parallel else 1)
-
-
-@pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("units", UNITS)
-def test_every_unit_runs(units, parallel):
-    check_probe(units, parallel, calls=50)
-
-
-def slow_probe(units: int):
-    """``probe`` whose units in the lower half spin ~20 us each: with two or more threads, the
-    highest thread (which may always steal: it has no next lane to wait for) runs out of work
-    first and must claim lower units."""
-    run, lanes = claimed_units(units, True)
 
     @T.macro
     def mark(lane, u, marks, out, spin):
         marks[lane, u] = marks[lane, u] + 1
-        if u < units // 2:
+        if u < slow_below:
             for k in range(20000):
                 spin[lane] = spin[lane] * T.float32(0.999) + T.float32(1)
         out[u] = T.Cast("int32", u) + 1
@@ -81,9 +43,34 @@ def slow_probe(units: int):
         with T.sblock("root"):
             run(mark, marks, out, spin)
 
-    name = f"slow_probe_{units}"
+    name = f"probe_{units}_{int(parallel)}_{slow_below}"
     lib = tvm.compile(finalize(func, name), target=resolve_target(None).target)
-    return lib[name], lanes
+    fn = lib[name]
+
+    def call() -> tuple[np.ndarray, np.ndarray]:
+        """(marks, out) of one call on zeroed buffers."""
+        bufs = [tvm.runtime.tensor(np.zeros(shape, dt)) for shape, dt in
+                (((lanes, units), np.int32), ((units,), np.int32), ((lanes,), np.float32))]
+        fn(*bufs)
+        return bufs[0].numpy(), bufs[1].numpy()
+
+    return call, lanes
+
+
+def check_probe(units: int, parallel: bool, calls: int) -> None:
+    call, lanes = probe(units, parallel)
+    for _ in range(calls):
+        marks, out = call()
+        np.testing.assert_array_equal(out, np.arange(1, units + 1))
+        ran = marks.sum(0)
+        assert ran.min() >= 1, f"units {np.flatnonzero(ran == 0)} never ran"
+    assert lanes == (min(units, MAX_LANES) if parallel else 1)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("units", UNITS)
+def test_every_unit_runs(units, parallel):
+    check_probe(units, parallel, calls=50)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="stealing needs two cores")
@@ -94,19 +81,17 @@ def test_idle_thread_claims_the_slow_threads_units_without_duplicating_them():
     taken."""
     assert tvm.runtime.num_threads() >= 2, "conftest starts TVM's pool on every core"
     units = 128
-    fn, lanes = slow_probe(units)
+    # the lower half is slow: the highest thread (which may always steal: it has no next lane
+    # to wait for) runs out of work first and must claim lower units
+    call, lanes = probe(units, True, slow_below=units // 2)
     owner = np.repeat(np.arange(lanes), np.diff([w * units // lanes for w in range(lanes + 1)]))
     calls = twice = 0
     stealing = []  # units run by a lane that does not own them, in calls that stole an eighth+
-    fn(tvm.runtime.tensor(np.zeros((lanes, units), np.int32)), tvm.runtime.tensor(
-        np.zeros(units, np.int32)), tvm.runtime.tensor(np.zeros(lanes, np.float32)))  # wake
+    call()  # wake the pool
     while len(stealing) < 3 and calls < 40:  # a call where the OS kept one thread off its core
         calls += 1                           # cannot steal: up to 40 calls for 3 that could
-        marks = tvm.runtime.tensor(np.zeros((lanes, units), np.int32))
-        out = tvm.runtime.tensor(np.zeros(units, np.int32))
-        fn(marks, out, tvm.runtime.tensor(np.zeros(lanes, np.float32)))
-        np.testing.assert_array_equal(out.numpy(), np.arange(1, units + 1))
-        m = marks.numpy()
+        m, out = call()
+        np.testing.assert_array_equal(out, np.arange(1, units + 1))
         assert m.sum(0).min() >= 1
         stolen = int(sum(m[lane, u] for u in range(units) for lane in range(lanes)
                          if lane != owner[u] and m[lane, u]))
