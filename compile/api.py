@@ -60,7 +60,17 @@ def _manifest_complete(path: Path) -> bool:
 
 
 def _weights_complete(path: Path) -> bool:
-    return (path / "weights.json").is_file()
+    """weights.json (written last) is there and names this version's weights format: a pack
+    in an older layout counts as absent, so policy ``on`` converts the weights again."""
+    try:
+        meta = json.loads((path / "weights.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if isinstance(meta, dict) and meta.get("weights_format") == WEIGHTS_FORMAT:
+        return True
+    log.warning("%s holds weights format %s, this version reads %s: converting again", path,
+                meta.get("weights_format") if isinstance(meta, dict) else None, WEIGHTS_FORMAT)
+    return False
 
 
 def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:

@@ -16,22 +16,23 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
+from .params import split_gate_up
 
 
 def _split_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """Our layout -> HF names (q/k/v and gate/up split back apart)."""
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    q, kv = cfg.q_size, cfg.kv_size
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"],
            "lm_head.weight": params["embed" if cfg.tie_word_embeddings else "lm_head"]}
     for i in range(cfg.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
-        wqkv, wgu = params[p + "wqkv"], params[p + "w_gate_up"]
+        wqkv, (gate, up) = params[p + "wqkv"], split_gate_up(params[p + "w_gate_up"])
         out.update({
             h + "input_layernorm.weight": params[p + "input_norm"],
             h + "self_attn.q_proj.weight": wqkv[:q], h + "self_attn.k_proj.weight": wqkv[q:q + kv],
             h + "self_attn.v_proj.weight": wqkv[q + kv:], h + "self_attn.o_proj.weight": params[p + "wo"],
             h + "post_attention_layernorm.weight": params[p + "post_norm"],
-            h + "mlp.gate_proj.weight": wgu[:inter], h + "mlp.up_proj.weight": wgu[inter:],
+            h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
             h + "mlp.down_proj.weight": params[p + "w_down"]})
     return out
 

@@ -27,7 +27,7 @@ from paged_decode.runtime.errors import ConfigError, WeightsError
 
 from . import config as config_mod
 from .config import ModelConfig
-from .params import param_specs
+from .params import interleave_gate_up, param_specs
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def _preset_params(cfg: ModelConfig, weight_dtype: str) -> dict[str, np.ndarray]
 # ---------------------------------------------------------------------------- HF / common
 
 def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The HF tensors (name, shape) concatenated along axis 0 to make parameter ``name``."""
+    """The HF tensors (name, shape) joined along axis 0 to make parameter ``name`` (gate / up
+    interleaved, see ``params.gate_up_row``; the others concatenated)."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     if name in ("embed", "lm_head"):
         hf = "model.embed_tokens.weight" if name == "embed" else "lm_head.weight"
@@ -158,7 +159,7 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _assemble(cfg: ModelConfig, get, weight_dtype: str) -> dict[str, np.ndarray]:
-    """Read, shape-check and concatenate HF-named float32 tensors into the params dict."""
+    """Read, shape-check and join HF-named float32 tensors into the params dict."""
     out = {}
     for spec in param_specs(cfg, weight_dtype):
         pieces = []
@@ -168,7 +169,10 @@ def _assemble(cfg: ModelConfig, get, weight_dtype: str) -> dict[str, np.ndarray]
                 raise WeightsError(f"{hf_name} in {where}: shape {list(array.shape)}"
                                    f", config {cfg.name!r} expects {list(shape)}")
             pieces.append(array)
-        value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+        if spec.name.endswith("w_gate_up"):
+            value = interleave_gate_up(*pieces)
+        else:
+            value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
         out[spec.name] = np.ascontiguousarray(value, dtype=spec.dtype)
     return out
 

@@ -2,9 +2,9 @@
 
 PACKAGE_VERSION = "0.1.0"
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
-ABI_VERSION = 2
+ABI_VERSION = 3
 MANIFEST_FORMAT = 1
-WEIGHTS_FORMAT = 1
+WEIGHTS_FORMAT = 2  # 2: gate / up rows interleaved in runs of 16
 
 
 def key_digest(fields: dict) -> str:

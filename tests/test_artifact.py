@@ -14,7 +14,8 @@ from paged_decode.compile.config import preset
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.artifact import load_artifact
-from paged_decode.runtime.versions import key_digest
+from paged_decode.runtime.errors import ArtifactError
+from paged_decode.runtime.versions import WEIGHTS_FORMAT, key_digest
 
 
 def _digest(cfg=None, target="llvm", **opts):
@@ -80,6 +81,18 @@ def test_second_compile_of_a_key_compiles_nothing(tmp_path, monkeypatch):
     assert first.artifact_dir == second.artifact_dir
     api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path, force=True)
     assert len(count) == 2
+
+
+def test_weight_pack_of_an_older_format_is_converted_again(tmp_path):
+    source = resolve_model("tiny")
+    path, hit = api.ensure_weights(source, "float32", tmp_path, "on")
+    assert not hit and api.ensure_weights(source, "float32", tmp_path, "on") == (path, True)
+    meta = json.loads((path / "weights.json").read_text())
+    (path / "weights.json").write_text(json.dumps({**meta, "weights_format": WEIGHTS_FORMAT - 1}))
+    with pytest.raises(ArtifactError, match="paged-compile --model tiny"):
+        api.ensure_weights(source, "float32", tmp_path, "readonly")
+    assert api.ensure_weights(source, "float32", tmp_path, "on") == (path, False)
+    assert json.loads((path / "weights.json").read_text())["weights_format"] == WEIGHTS_FORMAT
 
 
 def test_concurrent_builds_of_one_key_leave_one_artifact(tmp_path, monkeypatch):

@@ -289,21 +289,27 @@ def test_decode_gemv_large_k_float32_reads_rows_in_pairs(N, K):
     np.testing.assert_allclose(y.numpy(), ref, atol=5e-4, rtol=1e-5)
 
 
-def _ref_swiglu(xn, w, inter):
-    gu = xn.astype(np.float64) @ w.astype(np.float64).T
-    g, u = gu[:, :inter], gu[:, inter:]
-    return g / (1 + np.exp(-g)) * u
+def _gate_up(gate, up):
+    """The kernels' W, by hand: runs of 16 gate rows, each run followed by its up rows."""
+    return np.concatenate([part for r in range(0, len(gate), 16)
+                           for part in (gate[r:r + 16], up[r:r + 16])])
+
+
+def _ref_swiglu(xn, gate, up):
+    g = xn.astype(np.float64) @ gate.astype(np.float64).T
+    return g / (1 + np.exp(-g)) * (xn.astype(np.float64) @ up.astype(np.float64).T)
 
 
 @pytest.mark.parametrize("n", [1, 6, 70])
-def test_prefill_swiglu(n):
-    inter, K = 24, 40
+@pytest.mark.parametrize("inter", [24, 36])
+def test_prefill_swiglu(n, inter):
+    K = 40
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n, K)).astype(np.float32)
-    w = rng.standard_normal((2 * inter, K)).astype(np.float32)
+    gate, up = rng.standard_normal((2, inter, K)).astype(np.float32)
     y = _t(np.zeros((n, inter), np.float32))
-    _compiled(linear_swiglu, inter, K, "float32")(_t(x), _t(w), y)
-    np.testing.assert_allclose(y.numpy(), _ref_swiglu(x, w, inter), atol=1e-4, rtol=1e-5)
+    _compiled(linear_swiglu, inter, K, "float32")(_t(x), _t(_gate_up(gate, up)), y)
+    np.testing.assert_allclose(y.numpy(), _ref_swiglu(x, gate, up), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("inter,K", [(24, 40), (600, 136), (1100, 72)])
@@ -311,10 +317,10 @@ def test_decode_norm_swiglu(inter, K):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, K)).astype(np.float32)
     g = rng.standard_normal(K).astype(np.float32)
-    w = (rng.standard_normal((2 * inter, K)) * 0.1).astype(np.float32)
+    gate, up = (rng.standard_normal((2, inter, K)) * 0.1).astype(np.float32)
     y = _t(np.zeros((1, inter), np.float32))
-    _compiled(gemv_swiglu, inter, K, "float32", 1e-5)(_t(x), _t(g), _t(w), y)
-    np.testing.assert_allclose(y.numpy(), _ref_swiglu(_ref_norm(x, g), w, inter), atol=1e-4,
+    _compiled(gemv_swiglu, inter, K, "float32", 1e-5)(_t(x), _t(g), _t(_gate_up(gate, up)), y)
+    np.testing.assert_allclose(y.numpy(), _ref_swiglu(_ref_norm(x, g), gate, up), atol=1e-4,
                                rtol=1e-5)
 
 

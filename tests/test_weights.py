@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
-from paged_decode.compile import tokenizer_export, weights
+from paged_decode.compile import params, tokenizer_export, weights
 from paged_decode.compile.params import param_specs
 from paged_decode.compile.tokenizer_export import export_tokenizer
 from paged_decode.compile.weights import resolve_model
@@ -34,8 +34,9 @@ def expected_params(state: dict[str, np.ndarray], cfg) -> dict[str, np.ndarray]:
             out[f"layers.{i}.bqkv"] = np.concatenate([state[a + f"{x}_proj.bias"] for x in "qkv"])
         out[f"layers.{i}.wo"] = state[a + "o_proj.weight"]
         out[f"layers.{i}.post_norm"] = state[p + "post_attention_layernorm.weight"]
-        out[f"layers.{i}.w_gate_up"] = np.concatenate([state[p + "mlp.gate_proj.weight"],
-                                                       state[p + "mlp.up_proj.weight"]])
+        gate, up = state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]
+        out[f"layers.{i}.w_gate_up"] = np.concatenate(  # runs of 16 gate rows, then their up rows
+            [part for r in range(0, len(gate), 16) for part in (gate[r:r + 16], up[r:r + 16])])
         out[f"layers.{i}.w_down"] = state[p + "mlp.down_proj.weight"]
     out["final_norm"] = state["model.norm.weight"]
     if not cfg.tie_word_embeddings:
@@ -134,6 +135,22 @@ def test_hf_dir_without_safetensors(llama_ckpt, tmp_path):
 
 
 # ------------------------------------------------------------------------------- presets / resolve
+
+@pytest.mark.parametrize("inter", [1, 8, 16, 24, 40, 1100])
+def test_gate_up_layout(inter):
+    rng = np.random.default_rng(inter)
+    gate, up = rng.standard_normal((2, inter, 3)).astype(np.float32)
+    joined = params.interleave_gate_up(gate, up)
+    by_hand = np.concatenate([part for r in range(0, inter, 16)
+                              for part in (gate[r:r + 16], up[r:r + 16])])
+    np.testing.assert_array_equal(joined, by_hand)
+    back_gate, back_up = params.split_gate_up(joined)
+    np.testing.assert_array_equal(back_gate, gate)
+    np.testing.assert_array_equal(back_up, up)
+    for c in (0, inter // 2, inter - 1):  # the scalar row function the kernels index with
+        np.testing.assert_array_equal(joined[params.gate_up_row(c, inter, False)], gate[c])
+        np.testing.assert_array_equal(joined[params.gate_up_row(c, inter, True)], up[c])
+
 
 def test_preset_weights_deterministic():
     a, b = resolve_model("tiny"), resolve_model("tiny")

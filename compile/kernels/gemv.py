@@ -3,9 +3,9 @@
 Optionally fused with the RMSNorm that precedes it (``xn = x * rsqrt(mean(x^2) + eps) * g``,
 computed once per call into a K-element scratch before the row loop; see ``x_dtype`` for when
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
-over x), with a bias or a residual
-epilogue, or with SwiGLU over gate/up rows.  Rows are processed in units of ``RG`` rows (SwiGLU:
-``SWIGLU_UNIT_TILES`` x RG gate rows then the same up rows), each row front to back with ``KU``
+over x), with a bias or a residual epilogue, or with SwiGLU over gate/up rows.  Rows are
+processed in units of ``RG`` rows (SwiGLU: ``SWIGLU_UNIT_TILES`` tiles of RG act rows, each
+tile's gate rows then its up rows), each row front to back with ``KU``
 independent accumulators: one sequential stream per core is what the hardware prefetcher follows
 best (interleaving 8 rows ran ~25 % slower per core).  Units are shared out by
 ``claimed_units``: each parallel lane owns a contiguous run of them, and the last lane a thread
@@ -15,12 +15,15 @@ residual, SiLU) applied for all RG rows at once, so no row ends in a serial hori
 / divide chain (per-row reductions cost a third of an f16 GEMV's time when its weights sit in
 cache).  Small matrices run serially: waking the thread pool costs more than they do.
 
-SwiGLU reads a unit's gate rows, then its up rows (two runs of 128 rows: 0.83 -> 0.9-1.0 of the
-streaming-read bandwidth at the 160M and 1.1B shapes, against switching every RG rows).
+SwiGLU reads a unit's RG-row tiles of gate rows and up rows in turn: W stores them so
+(``params.gate_up_row``), which makes a unit one contiguous run of W.  With gate rows and up rows
+in two separate halves of W, a unit read from two places ``I`` rows apart: 25-31 GB/s against
+30-33 for the contiguous unit and 33-34 for a plain GEMV over the same bytes (160M shape, f32, a
+33-35 GB/s streaming read); at the 1.1B shape the three were within noise of each other.
 
 Buffers (float32 activations; W in the weight dtype; N, K static):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
-  SwiGLU: W (2I, K) gate rows then up rows -> act (1, I) = silu(gate) * up
+  SwiGLU: W (2I, K) gate / up rows in alternating runs -> act (1, I) = silu(gate) * up
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ from tvm.script import tirx as T
 
 from .common import (VL, cached, claimed_units, dtype_tag, finalize, lane_slice, lane_sum_macro,
                      scratch_buffer)
+from ..params import GATE_UP_ROWS, gate_up_row
 from .fastmath import fexp
 from .signatures import gemv_func
 
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
 KU = 4  # independent accumulators along K (hides the FMA latency)
-SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: its gate and its up rows are 128-row runs
+SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contiguous W rows
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
@@ -211,34 +215,35 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 
 @cached
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
-    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
+    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate and up rows
+    in alternating runs (``params.gate_up_row``)."""
     normalize, tile_rows = _macros(K, norm_eps)
     xdt = x_dtype(K, wdt)
     UT = SWIGLU_UNIT_TILES
     UR = RG * UT  # act rows per unit
     run_units, lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
+    assert RG == GATE_UP_ROWS  # a tile's gate (or up) rows are one run of W
+
+    def w_row(c, up):
+        return gate_up_row(c, I, up, T.min)
 
     @T.macro
     def unit(lane, u, R_all, xn, W, act):
-        """act rows [u * UR, u * UR + UR) below I: all of the unit's gate rows, then all of its
-        up rows (two contiguous runs), then silu(gate) * up."""
+        """act rows [u * UR, u * UR + UR) below I: per RG-row tile its gate rows, then its up
+        rows (adjacent in W, so the unit is one contiguous run of W), then silu(gate) * up."""
         acc = scratch_buffer((KU, VL))
         gate = scratch_buffer((UR,))
         up = scratch_buffer((UR,))
         R = lane_slice(R_all, lane, (RG, VL))
         for t in range(UT):
             if u * UR + t * RG < I:
-                tile_rows(xn, W, acc, R, gate, t * RG, u * UR + t * RG,
+                tile_rows(xn, W, acc, R, gate, t * RG, w_row(u * UR + t * RG, False),
+                          T.min(RG, I - u * UR - t * RG))
+                tile_rows(xn, W, acc, R, up, t * RG, w_row(u * UR + t * RG, True),
                           T.min(RG, I - u * UR - t * RG))
             else:  # past I in the last unit: defined values for the vector SiLU (never stored)
                 for r in T.vectorized(RG):
                     gate[t * RG + r] = T.float32(0)
-        for t in range(UT):
-            if u * UR + t * RG < I:
-                tile_rows(xn, W, acc, R, up, t * RG, I + u * UR + t * RG,
-                          T.min(RG, I - u * UR - t * RG))
-            else:
-                for r in T.vectorized(RG):
                     up[t * RG + r] = T.float32(0)
         for r in T.vectorized(UR):
             gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]

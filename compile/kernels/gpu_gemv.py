@@ -10,13 +10,14 @@ and the scale is applied to the reduced dot product.
 
 Buffers and signatures are the CPU ones (``gemv.py``):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
-  SwiGLU: W (2I, K) gate rows then up rows -> act (1, I) = silu(gate) * up
+  SwiGLU: W (2I, K) gate / up rows in alternating runs -> act (1, I) = silu(gate) * up
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..params import GATE_UP_ROWS, gate_up_row
 from .common import cached, dtype_tag, pick_tile
 from .gpu import WARP, finalize
 from .signatures import gemv_func
@@ -146,8 +147,14 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 
 @cached
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
-    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate | up rows."""
+    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate and up rows
+    in alternating runs (``params.gate_up_row``): a warp's TN gate (or up) rows are adjacent."""
     TN = _rows_per_warp(I)
+    assert GATE_UP_ROWS % TN == 0
+
+    def w_row(c, up):
+        return gate_up_row(c, I, up, T.min)
+
     VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True)
     BLOCKS = -(-I // (R * TN))
 
@@ -165,8 +172,10 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                         sum_squares(x, part, ty * WARP + tx)
                         if (bx * R + ty) * TN < I:
-                            dot_rows(x, g, W, part, xv, wv, 0, (bx * R + ty) * TN, tx)
-                            dot_rows(x, g, W, part, xv, wv, TN, I + (bx * R + ty) * TN, tx)
+                            dot_rows(x, g, W, part, xv, wv, 0, w_row((bx * R + ty) * TN, False),
+                                     tx)
+                            dot_rows(x, g, W, part, xv, wv, TN, w_row((bx * R + ty) * TN, True),
+                                     tx)
                 for p in range(2 * TN + 1):
                     for ty in T.thread_binding(R, thread="threadIdx.y"):
                         for tx in T.thread_binding(WARP, thread="threadIdx.x"):

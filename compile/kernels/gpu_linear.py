@@ -9,13 +9,14 @@ symbolic.  The SwiGLU variant stages the gate and the up tile and keeps two accu
 
 Buffers (as the CPU ``linear.py``; x and y float32, W in the weight dtype, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
-  SwiGLU: W (2I, K) gate rows then up rows -> act (n, I)
+  SwiGLU: W (2I, K) gate / up rows in alternating runs (``params.gate_up_row``) -> act (n, I)
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..params import gate_up_row
 from .common import cached, dtype_tag
 from .gpu import finalize
 from .linear import EPILOGUES, token_dim
@@ -26,6 +27,10 @@ MI, NJ = 2, 4  # micro-tile per thread: tokens x columns
 BM, BN, BK = TY * MI, TX * NJ, 16
 BKP = BK + 1  # padded row stride of the shared tiles (flat, so compaction keeps the pad)
 LOADS = TX * TY
+
+
+def _same_row(c):
+    return c
 
 
 def _macros(K: int, wdt: str):
@@ -42,12 +47,12 @@ def _macros(K: int, wdt: str):
                 xs[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.float32(0)
 
     @T.macro
-    def load_w(W, ws, rows, c0, kb, t):
-        """ws[c, kk] = W[c0 + c, kb * BK + kk] as float32 (0 past ``rows`` or K)."""
+    def load_w(W, ws, rows, c0, kb, t, w_row=_same_row):
+        """ws[c, kk] = W[w_row(c0 + c), kb * BK + kk] as float32 (0 past ``rows`` or K)."""
         for it in range(BN * BK // LOADS):
             if c0 + (it * LOADS + t) // BK < rows and kb * BK + (it * LOADS + t) % BK < K:
                 ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.Cast("float32", W[
-                    c0 + (it * LOADS + t) // BK, kb * BK + (it * LOADS + t) % BK])
+                    w_row(c0 + (it * LOADS + t) // BK), kb * BK + (it * LOADS + t) % BK])
             else:
                 ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.float32(0)
 
@@ -104,7 +109,15 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
 
 @cached
 def linear_swiglu(I: int, K: int, wdt: str):
-    """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
+    """act = silu(x @ Wg.T) * (x @ Wu.T), W (2I, K) = gate and up rows in alternating runs
+    (``params.gate_up_row``); act (n, I)."""
+
+    def gate_row(c):
+        return gate_up_row(c, I, False, T.min)
+
+    def up_row(c):
+        return gate_up_row(c, I, True, T.min)
+
     KB, load_x, load_w, mma = _macros(K, wdt)
     NBLK = -(-I // BN)
     n = token_dim(None)
@@ -128,8 +141,8 @@ def linear_swiglu(I: int, K: int, wdt: str):
                                 au[i, j] = T.float32(0)
                             for kb in range(KB):
                                 load_x(x, xs, n, by * BM, kb, ty * TX + tx)
-                                load_w(W, wg, I, bx * BN, kb, ty * TX + tx)
-                                load_w(W, wu, 2 * I, I + bx * BN, kb, ty * TX + tx)
+                                load_w(W, wg, I, bx * BN, kb, ty * TX + tx, gate_row)
+                                load_w(W, wu, I, bx * BN, kb, ty * TX + tx, up_row)
                                 T.tvm_storage_sync("shared")
                                 mma(xs, wg, ag, ty, tx)
                                 mma(xs, wu, au, ty, tx)

@@ -6,7 +6,8 @@ vector registers, reduced once per output.  (Decode uses the GEMVs of ``gemv.py`
 
 Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
-The SwiGLU variant reads W (2I, K) with gate rows then up rows and writes act (n, I).
+The SwiGLU variant reads W (2I, K), gate and up rows in alternating runs
+(``params.gate_up_row``), and writes act (n, I).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..params import GATE_UP_ROWS, gate_up_row
 from .common import VL, cached, dtype_tag, finalize, pick_tile, scratch_buffer
 from .fastmath import fexp
 from .signatures import matmul_func
@@ -109,8 +111,14 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
 
 @cached
 def linear_swiglu(I: int, K: int, wdt: str):
-    """act = silu(x @ Wg.T) * (x @ Wu.T) with W (2I, K) = gate rows | up rows; act (n, I)."""
+    """act = silu(x @ Wg.T) * (x @ Wu.T), W (2I, K) = gate and up rows in alternating runs
+    (``params.gate_up_row``); act (n, I).  TN divides I and the run length, so a task's TN gate
+    (or up) rows are adjacent in W."""
     TN = pick_tile(I, (4, 2, 1))
+    assert GATE_UP_ROWS % TN == 0
+
+    def w_row(c, up):
+        return gate_up_row(c, I, up, T.min)
     NT = I // TN
     m0, co, rows = _task(NT)
     acc_main = _reduce_macro(K, wdt, TM, TN)
@@ -131,13 +139,14 @@ def linear_swiglu(I: int, K: int, wdt: str):
                 g = scratch_buffer((TM, TN, VL))
                 u = scratch_buffer((TM, TN, VL))
                 for mo in range(rows(task, n) // TM):
-                    acc_main(x, W, g, m0(task) + mo * TM, co(task) * TN)
-                    acc_main(x, W, u, m0(task) + mo * TM, I + co(task) * TN)
+                    acc_main(x, W, g, m0(task) + mo * TM, w_row(co(task) * TN, False))
+                    acc_main(x, W, u, m0(task) + mo * TM, w_row(co(task) * TN, True))
                     store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
                 for mt in range(rows(task, n) % TM):
-                    acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN)
+                    acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
+                             w_row(co(task) * TN, False))
                     acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
-                             I + co(task) * TN)
+                             w_row(co(task) * TN, True))
                     store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")
