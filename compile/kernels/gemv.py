@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import (VL, cached, claimed_units, dtype_tag, finalize, lane_slice, lane_sum_macro,
-                     scratch_buffer)
 from ..params import GATE_UP_ROWS, gate_up_row
+from .common import (CACHE_LINE, VL, cached, claimed_units, dtype_tag, finalize, lane_slice,
+                     lane_sum_macro, prefetch_l2, scratch_buffer)
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -42,11 +42,18 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
+# float32 weights: each row step also prefetches the weights this many bytes ahead into L2.  On
+# top of the hardware prefetcher the GEMV alone read from DRAM a median 1.5 % (2304 x 768) and
+# 2.2 % (768 x 2048) faster, in every one of 16 rounds (single rounds up to 7 %, fast regime
+# too); 1.5 KiB ahead gained less, 6 KiB nothing, and with two rows per pass (K > 4096) it is
+# neutral.  For float16 weights the same prefetches ran 5-25 % slower, so they have none.
+PREFETCH_BYTES = 3072
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
 
-def _macros(K: int, eps: float):
+def _macros(K: int, eps: float, wdt: str):
     KO, KT = K // (VL * KU), K % (VL * KU)
+    ahead = PREFETCH_BYTES // 4 if wdt == "float32" else 0  # elements; see PREFETCH_BYTES
     lane_sum = lane_sum_macro(VL)
 
     @T.macro
@@ -85,10 +92,20 @@ def _macros(K: int, eps: float):
             R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
 
     @T.macro
+    def prefetch(W, c, k):
+        """Prefetch the KU * VL float32 weights ``ahead`` elements past W[c, k] (rows are
+        contiguous, so past the row's end is the next row's start; past W's end is harmless)."""
+        if ahead > 0:
+            flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
+            for line in T.unroll(KU * VL * 4 // CACHE_LINE):
+                prefetch_l2(T.address_of(flat[c * K + k + line * (CACHE_LINE // 4) + ahead]))
+
+    @T.macro
     def dot_row(xs, W, acc, R, r, c):
         """R[r, :] = VL partial sums of xs . W[c, :], reading the row front to back."""
         clear(acc)
         for ko in range(KO):
+            prefetch(W, c, ko * KU * VL)
             for u in T.unroll(KU):
                 for v in T.vectorized(VL):
                     fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
@@ -106,6 +123,8 @@ def _macros(K: int, eps: float):
         clear(acc)
         clear(acc2)
         for ko in range(KO):
+            prefetch(W, c, ko * KU * VL)
+            prefetch(W, c + 1, ko * KU * VL)
             for u in T.unroll(KU):
                 for v in T.vectorized(VL):
                     fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
@@ -166,7 +185,7 @@ def row_pairs(K: int, wdt: str) -> bool:
 def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None):
     """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
     norm, xdt, pairs = norm_eps is not None, x_dtype(K, wdt), row_pairs(K, wdt)
-    normalize, tile_rows = _macros(K, norm_eps or 0.0)
+    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt)
     run_units, lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
@@ -217,7 +236,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate and up rows
     in alternating runs (``params.gate_up_row``)."""
-    normalize, tile_rows = _macros(K, norm_eps)
+    normalize, tile_rows = _macros(K, norm_eps, wdt)
     xdt = x_dtype(K, wdt)
     UT = SWIGLU_UNIT_TILES
     UR = RG * UT  # act rows per unit
