@@ -61,14 +61,15 @@ def _manifest_complete(path: Path) -> bool:
 
 def _weights_complete(path: Path) -> bool:
     """weights.json (written last) is there and names this version's weights format: a pack
-    in an older layout counts as absent, so policy ``on`` converts the weights again."""
+    in another layout counts as absent (policy ``on`` converts the weights again, ``readonly``
+    names the command that does)."""
     try:
         meta = json.loads((path / "weights.json").read_text())
     except (OSError, ValueError):
         return False
     if isinstance(meta, dict) and meta.get("weights_format") == WEIGHTS_FORMAT:
         return True
-    log.warning("%s holds weights format %s, this version reads %s: converting again", path,
+    log.warning("%s holds weights format %s, this version reads %s: treated as absent", path,
                 meta.get("weights_format") if isinstance(meta, dict) else None, WEIGHTS_FORMAT)
     return False
 
@@ -123,7 +124,9 @@ def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: s
     wroot = root / "weights"
     if policy in ("on", "redo"):
         wroot.mkdir(exist_ok=True)
-    name = f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
+    # the format in the name: packs of two versions sharing a root sit side by side
+    name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
+            f"-w{WEIGHTS_FORMAT}")
     policy = "on" if policy == "redo" else policy  # weights are a pure conversion
     hint = (f"paged-compile --model {source.config.name} --weight-dtype {weight_dtype} "
             f"--artifacts {root}")

@@ -3,7 +3,7 @@
 Layout under the artifact root::
 
   <model>-<target>-<digest>/      model.so | model.tar, manifest.json
-  weights/<model>-<weights_key>-<dtype>/   params.safetensors, weights.json, tokenizer files
+  weights/<model>-<weights_key>-<dtype>-w<format>/   params.safetensors, weights.json, tokenizer
   .locks/<name>.lock              one file lock per entry
   .tmp/<name>-<pid>-<rand>/       builds in progress (renamed into place when complete)
   .tmp/<name>.old-<pid>-<rand>/   a replaced entry, deleted right after the rename

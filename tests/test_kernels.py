@@ -85,10 +85,10 @@ def test_paged_attention_decode(pools, ctx):
 
 @pytest.mark.parametrize("cdt", ["float32", "float16"])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 64), (9, 3, 64), (32, 4, 64),
-                                      (24, 2, 64), (16, 1, 64), (8, 2, 128)])
+                                      (24, 2, 64), (16, 1, 64), (8, 2, 128), (4, 2, 256)])
 def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
     """The shapes the models use (block_size 16; 1, 3, 4, 8, 12 and 16 query heads per kv head,
-    so the kernel's head grouping meets remainders and several groups; head_dim 64 and 128),
+    so the kernel's head grouping meets remainders and several groups; head_dim 64, 128 and 256),
     decode and prefill.  Rows past the context hold inf / nan (a block's unused slots keep
     whatever a freed sequence left there): they must not reach the output."""
     bs, cap = 16, 6

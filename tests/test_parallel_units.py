@@ -163,6 +163,7 @@ DECODE_KERNELS = {
     "gemv_residual_pairs": (gemv, 768, 4608, "float32", "residual", None),
     "gemv_swiglu": (gemv_swiglu, 2048, 768, "float16", 1e-5),
     "attention_gqa": (paged_attention_decode, 32, 4, 64, 16, 70, "float16"),
+    "attention_gqa_d256": (paged_attention_decode, 8, 4, 256, 16, 70, "float32"),
     "attention": (paged_attention_decode, 12, 12, 64, 16, 70, "float32"),
     "rope_kv": (rope_kv_write_decode, 12, 12, 64, 16, 70, "float32"),
     "rmsnorm": (rmsnorm, 768, 1e-5, 1),

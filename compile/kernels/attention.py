@@ -47,11 +47,13 @@ PREFETCH_BLOCKS = 2
 # With several query heads per kv head the kernel is instruction bound (TinyLlama, 8 per kv head:
 # 8 GB/s from DRAM at context 1024).  Reading each K / V row once per query head (converting f16
 # each time) and adding into a (G, D) accumulator in memory row by row cost most of it; now a K
-# row serves up to QK_HEADS heads and a V row up to SV_HEADS, with their sums in registers, and
-# the softmax update runs across the group's heads as one vector: 0.82 (f16) / 0.84 (f32) of
-# the time at TinyLlama's shape, 0.95-0.99 at SmolLM2's (3 per kv head).  One query head per kv
-# head keeps its own loop (``attend_one``): the grouped one ran 1.12x slower there with f16.
-QK_HEADS, SV_HEADS = 8, 4
+# row serves up to QK_HEADS heads and a V row up to SV_HEADS, their sums in small stack scratch
+# that LLVM can keep in registers (3 heads x 4 vectors at head_dim 64 fit AVX-512's 32), and the
+# softmax update runs across the group's heads as one vector: 0.82 (f16) / 0.84 (f32) of the
+# time at TinyLlama's shape (K per 8 heads, V per 2), 0.95-0.99 at SmolLM2's (3 per kv head).
+# One query head per kv head keeps its own loop (``attend_one``): the grouped one ran 1.12x
+# slower there with f16.
+QK_HEADS, SV_HEADS = 8, 3
 
 
 def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
@@ -61,11 +63,13 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     DV = pick_tile(D, (16, 8, 4, 2, 1))
     lane_sum = lane_sum_macro(DV)
     per_line = CACHE_LINE // {"float32": 4, "float16": 2}[cdt]  # elements per cache line
-    # Query heads whose q.K partials (GQ x DV) and whose s.V sums (GV x D) are kept in registers
-    # while one K (V) row is read: stack scratch (< STACK_BYTES), LLVM promotes it.
+    # Query heads whose q.K partials (GQ x DV) / s.V sums (GV x D) accumulate in stack scratch
+    # (under STACK_BYTES) while one K / V row is read; with head_dim >= 256 not even one head's
+    # s.V sums fit, and they go straight into ``acc``.
     GQ = max(d for d in range(1, QK_HEADS + 1) if G % d == 0)
     GV = max(d for d in range(1, SV_HEADS + 1)
              if G % d == 0 and (d == 1 or d * D * 4 < STACK_BYTES))
+    v_scratch = GV * D * 4 < STACK_BYTES
 
     def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
         return T.Cast("int64", bt[0, b])
@@ -177,20 +181,32 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for t in range(T.min(bs, ctx - b * bs)):  # rows past the context stay out of it
                 for g in T.vectorized(G):
                     st[1, g] = st[1, g] + s[t, g]
-            for gv in range(G // GV):  # s . V, each V row read once per GV heads
-                a = scratch_buffer((GV, D))  # in registers
-                for gi in T.unroll(GV):
+            if v_scratch:
+                for gv in range(G // GV):  # s . V, a V row read once per GV heads
+                    a = scratch_buffer((GV, D))
+                    for gi in T.unroll(GV):
+                        for d in T.vectorized(D):
+                            a[gi, d] = T.float32(0)
+                    for t in range(T.min(bs, ctx - b * bs)):
+                        for do in T.unroll(D // DV):
+                            for gi in T.unroll(GV):
+                                for v in T.vectorized(DV):
+                                    a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
+                                        T.Cast("float32",
+                                               v_pool[block(bt, b), kvh, t, do * DV + v]))
+                    for gi in T.unroll(GV):
+                        for d in T.vectorized(D):
+                            acc[gv * GV + gi, d] = (acc[gv * GV + gi, d] * st[3, gv * GV + gi]
+                                                    + a[gi, d])
+            else:  # not even one head's sums fit the stack: straight into acc
+                for g in range(G):
                     for d in T.vectorized(D):
-                        a[gi, d] = T.float32(0)
+                        acc[g, d] = acc[g, d] * st[3, g]
                 for t in range(T.min(bs, ctx - b * bs)):
-                    for do in T.unroll(D // DV):
-                        for gi in T.unroll(GV):
-                            for v in T.vectorized(DV):
-                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
-                                    T.Cast("float32", v_pool[block(bt, b), kvh, t, do * DV + v]))
-                for gi in T.unroll(GV):
-                    for d in T.vectorized(D):
-                        acc[gv * GV + gi, d] = acc[gv * GV + gi, d] * st[3, gv * GV + gi] + a[gi, d]
+                    for g in range(G):
+                        for d in T.vectorized(D):
+                            acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
+                                "float32", v_pool[block(bt, b), kvh, t, d])
         for g in range(G):
             for d in T.vectorized(D):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
