@@ -9,6 +9,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..params import gate_up_row
+
 VL = 16  # f32 vector lanes the CPU kernels accumulate in (one AVX-512 register; 2 x AVX2)
 
 
@@ -34,6 +36,13 @@ def dtype_tag(dtype: str) -> str:
 def cached(factory):
     """Memoise a kernel factory: TVMScript parsing dominates graph building otherwise."""
     return functools.lru_cache(maxsize=None)(factory)
+
+
+def gate_up_rows(inter: int):
+    """``(gate_row, up_row)``: act row ``c`` (a TIR expression) -> the ``w_gate_up`` row holding
+    its gate / up weights (``params.gate_up_row``), for the SwiGLU kernels."""
+    return (lambda c: gate_up_row(c, inter, False, T.min),
+            lambda c: gate_up_row(c, inter, True, T.min))
 
 
 CACHE_LINE = 64  # bytes

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS, gate_up_row
-from .common import (CACHE_LINE, VL, cached, claimed_units, dtype_tag, finalize, lane_slice,
-                     lane_sum_macro, prefetch_l2, scratch_buffer)
+from ..params import GATE_UP_ROWS
+from .common import (CACHE_LINE, VL, cached, claimed_units, dtype_tag, finalize, gate_up_rows,
+                     lane_slice, lane_sum_macro, prefetch_l2, scratch_buffer)
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -45,8 +45,8 @@ X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1
 # float32 weights: each row step also prefetches the weights this many bytes ahead into L2.  On
 # top of the hardware prefetcher the GEMV alone read from DRAM a median 1.5 % (2304 x 768) and
 # 2.2 % (768 x 2048) faster, in every one of 16 rounds (single rounds up to 7 %, fast regime
-# too); 1.5 KiB ahead gained less, 6 KiB nothing, and with two rows per pass (K > 4096) it is
-# neutral.  For float16 weights the same prefetches ran 5-25 % slower, so they have none.
+# too); 1.5 KiB ahead gained less and 6 KiB nothing.  With two rows per pass (``row_pairs``) it
+# was neutral, and for float16 weights it ran 5-25 % slower: those read without it.
 PREFETCH_BYTES = 3072
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
@@ -123,8 +123,6 @@ def _macros(K: int, eps: float, wdt: str):
         clear(acc)
         clear(acc2)
         for ko in range(KO):
-            prefetch(W, c, ko * KU * VL)
-            prefetch(W, c + 1, ko * KU * VL)
             for u in T.unroll(KU):
                 for v in T.vectorized(VL):
                     fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
@@ -242,9 +240,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     UR = RG * UT  # act rows per unit
     run_units, lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
     assert RG == GATE_UP_ROWS  # a tile's gate (or up) rows are one run of W
-
-    def w_row(c, up):
-        return gate_up_row(c, I, up, T.min)
+    gate_row, up_row = gate_up_rows(I)
 
     @T.macro
     def unit(lane, u, R_all, xn, W, act):
@@ -256,9 +252,9 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
         R = lane_slice(R_all, lane, (RG, VL))
         for t in range(UT):
             if u * UR + t * RG < I:
-                tile_rows(xn, W, acc, R, gate, t * RG, w_row(u * UR + t * RG, False),
+                tile_rows(xn, W, acc, R, gate, t * RG, gate_row(u * UR + t * RG),
                           T.min(RG, I - u * UR - t * RG))
-                tile_rows(xn, W, acc, R, up, t * RG, w_row(u * UR + t * RG, True),
+                tile_rows(xn, W, acc, R, up, t * RG, up_row(u * UR + t * RG),
                           T.min(RG, I - u * UR - t * RG))
             else:  # past I in the last unit: defined values for the vector SiLU (never stored)
                 for r in T.vectorized(RG):

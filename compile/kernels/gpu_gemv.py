@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS, gate_up_row
-from .common import cached, dtype_tag, pick_tile
+from ..params import GATE_UP_ROWS
+from .common import cached, dtype_tag, gate_up_rows, pick_tile
 from .gpu import WARP, finalize
 from .signatures import gemv_func
 
@@ -151,10 +151,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     in alternating runs (``params.gate_up_row``): a warp's TN gate (or up) rows are adjacent."""
     TN = _rows_per_warp(I)
     assert GATE_UP_ROWS % TN == 0
-
-    def w_row(c, up):
-        return gate_up_row(c, I, up, T.min)
-
+    gate_row, up_row = gate_up_rows(I)
     VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True)
     BLOCKS = -(-I // (R * TN))
 
@@ -172,10 +169,8 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
                     for tx in T.thread_binding(WARP, thread="threadIdx.x"):
                         sum_squares(x, part, ty * WARP + tx)
                         if (bx * R + ty) * TN < I:
-                            dot_rows(x, g, W, part, xv, wv, 0, w_row((bx * R + ty) * TN, False),
-                                     tx)
-                            dot_rows(x, g, W, part, xv, wv, TN, w_row((bx * R + ty) * TN, True),
-                                     tx)
+                            dot_rows(x, g, W, part, xv, wv, 0, gate_row((bx * R + ty) * TN), tx)
+                            dot_rows(x, g, W, part, xv, wv, TN, up_row((bx * R + ty) * TN), tx)
                 for p in range(2 * TN + 1):
                     for ty in T.thread_binding(R, thread="threadIdx.y"):
                         for tx in T.thread_binding(WARP, thread="threadIdx.x"):

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..params import gate_up_row
-from .common import cached, dtype_tag
+from .common import cached, dtype_tag, gate_up_rows
 from .gpu import finalize
 from .linear import EPILOGUES, token_dim
 from .signatures import matmul_func
@@ -111,13 +110,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
 def linear_swiglu(I: int, K: int, wdt: str):
     """act = silu(x @ Wg.T) * (x @ Wu.T), W (2I, K) = gate and up rows in alternating runs
     (``params.gate_up_row``); act (n, I)."""
-
-    def gate_row(c):
-        return gate_up_row(c, I, False, T.min)
-
-    def up_row(c):
-        return gate_up_row(c, I, True, T.min)
-
+    gate_row, up_row = gate_up_rows(I)
     KB, load_x, load_w, mma = _macros(K, wdt)
     NBLK = -(-I // BN)
     n = token_dim(None)

@@ -15,8 +15,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS, gate_up_row
-from .common import VL, cached, dtype_tag, finalize, pick_tile, scratch_buffer
+from ..params import GATE_UP_ROWS
+from .common import VL, cached, dtype_tag, finalize, gate_up_rows, pick_tile, scratch_buffer
 from .fastmath import fexp
 from .signatures import matmul_func
 
@@ -116,9 +116,7 @@ def linear_swiglu(I: int, K: int, wdt: str):
     (or up) rows are adjacent in W."""
     TN = pick_tile(I, (4, 2, 1))
     assert GATE_UP_ROWS % TN == 0
-
-    def w_row(c, up):
-        return gate_up_row(c, I, up, T.min)
+    gate_row, up_row = gate_up_rows(I)
     NT = I // TN
     m0, co, rows = _task(NT)
     acc_main = _reduce_macro(K, wdt, TM, TN)
@@ -139,14 +137,14 @@ def linear_swiglu(I: int, K: int, wdt: str):
                 g = scratch_buffer((TM, TN, VL))
                 u = scratch_buffer((TM, TN, VL))
                 for mo in range(rows(task, n) // TM):
-                    acc_main(x, W, g, m0(task) + mo * TM, w_row(co(task) * TN, False))
-                    acc_main(x, W, u, m0(task) + mo * TM, w_row(co(task) * TN, True))
+                    acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN))
+                    acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN))
                     store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
                 for mt in range(rows(task, n) % TM):
                     acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
-                             w_row(co(task) * TN, False))
+                             gate_row(co(task) * TN))
                     acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
-                             w_row(co(task) * TN, True))
+                             up_row(co(task) * TN))
                     store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")
