@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import tvm
 
-from paged_decode.compile.kernels.attention import paged_attention_decode, paged_attention_prefill
+from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_BLOCKS,
+                                                    paged_attention_decode,
+                                                    paged_attention_prefill)
 from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
@@ -114,6 +116,34 @@ def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
             for i in range(2):
                 ref = ref_attention(q[i].reshape(hq, d), k, v, table[0], ctx - 1 + i)
                 np.testing.assert_allclose(pre.numpy()[i], ref, atol=TOL["float32"], rtol=0)
+
+
+@pytest.mark.parametrize("cdt", ["float32", "float16"])
+@pytest.mark.parametrize("hq,hkv,d", [(12, 12, 64), (32, 4, 64), (4, 2, 128)])
+def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d):
+    """Long contexts, where decode splits the blocks among parallel parts and merges their
+    softmax states: one part, uneven parts, and more blocks than MAX_PARTS full parts hold.
+    Rows past the context hold inf / nan."""
+    bs = 16
+    part_rows = PART_BLOCKS * bs
+    ctxs = [part_rows, part_rows + 1, 3 * part_rows + 5, MAX_PARTS * part_rows + 3 * bs + 7]
+    assert min(ctxs) * hq * d >= PARALLEL_MIN_WORK  # all of them take the parallel path
+    cap = -(-max(ctxs) // bs)
+    rng = np.random.default_rng(hq + d)
+    k = rng.standard_normal((cap + 3, hkv, bs, d)).astype(cdt)
+    v = rng.standard_normal((cap + 3, hkv, bs, d)).astype(cdt)
+    table = rng.permutation(cap + 3)[:cap].astype(np.int32)[None]
+    fn = _compiled(paged_attention_decode, hq, hkv, d, bs, cap, cdt)
+    for ctx in ctxs:
+        kc, vc = k.copy(), v.copy()
+        pos = np.arange(ctx, cap * bs)
+        slots(kc)[table[0, pos // bs], pos % bs] = np.inf
+        slots(vc)[table[0, pos // bs], pos % bs] = np.nan
+        q = 2 * rng.standard_normal((1, hq * d)).astype(np.float32)  # peaked softmax too
+        out = _t(np.zeros((1, hq * d), np.float32))
+        fn(_t(q), _t(kc), _t(vc), _t(table), ctx, out)
+        ref = ref_attention(q[0].reshape(hq, d), k, v, table[0], ctx)
+        np.testing.assert_allclose(out.numpy()[0], ref, atol=TOL["float32"], rtol=0)
 
 
 @pytest.mark.parametrize("pools", ["float32"], indirect=True)

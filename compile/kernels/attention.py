@@ -8,9 +8,12 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   decode_dev: context_len as a (1,) int64 buffer (``paged_attention_decode_dev``)
   prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
   -> out (n, Hq D) float32
-Work is split by kv head: the ``group`` query heads of one kv head share every K/V row load.
-A block holds each kv head's rows contiguously (``[block, kv_head, slot, dim]``), so one head
-reads one ``block_size x D`` run per block, whatever block the table points at: with the
+The ``group`` query heads of one kv head share every K/V row load.  Decode splits a long
+context's blocks among the parallel lanes, each lane taking every head of a block before the
+next block, and merges the lanes' softmax states (see ``PART_BLOCKS``); prefill splits by (query
+row, kv head).  A block holds each kv head's rows contiguously (``[block, kv_head, slot, dim]``,
+a block's heads one after the other), so a block of one head is one ``block_size x D`` run and a
+block of all heads one run of Hkv times that, whatever block the table points at: with the
 ``[block, slot, kv_head, dim]`` order, a head's rows were strided and a scattered table broke
 the prefetcher's stride at every block (attention 1.6x slower than on an identity table).
 Scores are computed a block at a time into a (block_size, group) scratch, each K row read once
@@ -34,16 +37,6 @@ from .linear import token_dim
 
 
 PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially
-# A block of one head is a single block_size x D run (4 KB in f32 at D 64), which the hardware
-# prefetcher meets cold at every block (it does not follow the table); the kernel prefetches the
-# block PREFETCH_BLOCKS ahead into L2 instead.  At 160M shape, context 1024, with the pools out of
-# cache, that made attention 1.6-1.8x faster (scattered table, f32 and f16).  With one query head
-# per kv head the block's compute is short, and issuing all of a block's prefetches at once
-# (64-128 of them) stalled the core on its miss buffers: there the prefetches are spread, one
-# row of the future block per row processed (160M shape, ctx 1024 from DRAM: 0.77-0.96 of the
-# burst's time; 0.3-0.4 with the K/V in cache).  With 8 query heads per kv head (TinyLlama) the
-# block's compute hides the burst, and spreading ran 1.13-1.18x slower, so it stays a burst.
-PREFETCH_BLOCKS = 2
 # With several query heads per kv head the kernel is instruction bound (TinyLlama, 8 per kv head:
 # 8 GB/s from DRAM at context 1024).  Reading each K / V row once per query head (converting f16
 # each time) and adding into a (G, D) accumulator in memory row by row cost most of it; now a K
@@ -51,9 +44,27 @@ PREFETCH_BLOCKS = 2
 # that LLVM can keep in registers (3 heads x 4 vectors at head_dim 64 fit AVX-512's 32), and the
 # softmax update runs across the group's heads as one vector: 0.82 (f16) / 0.84 (f32) of the
 # time at TinyLlama's shape (K per 8 heads, V per 2), 0.95-0.99 at SmolLM2's (3 per kv head).
-# One query head per kv head keeps its own loop (``attend_one``): the grouped one ran 1.12x
+# One query head per kv head keeps its own block step (``step_one``): the grouped one ran 1.12x
 # slower there with f16.
 QK_HEADS, SV_HEADS = 8, 3
+# Decode over a context of several blocks splits the blocks, not the heads, among the parallel
+# lanes (parts of at least PART_BLOCKS blocks, at most MAX_PARTS parts); a lane reads each of its
+# blocks for every head before the next block, and the parts' softmax states are merged at the
+# end.  The pool keeps a block's heads adjacent (``[block, kv_head, slot, dim]``), so a lane reads
+# one run of Hkv * block_size * D elements per block from K and one from V, where splitting by
+# head gave it two runs of block_size * D (4 KiB at the 160M shape, f32).  The hardware
+# prefetcher restarts at every run: read alone, runs in a scattered order got, against one long
+# stream, 0.29 (4 KiB) / 0.59 (48 KiB) with the machine's read at 62 GB/s, 0.52 / 0.79 at 34 GB/s.
+# It also scales past as many cores as kv heads.  Whole decode step at context 1024 (160M shape,
+# 34 GB/s), against splitting by head: 0.986 (f32) / 0.983 (f16); attention alone on a scattered
+# table 0.79 against 0.75 of the streaming read.
+PART_BLOCKS, MAX_PARTS = 8, 16
+# The grouped step prefetches the K / V of the block PREFETCH_BLOCKS ahead in the table into L2,
+# all at once at the block's start (TinyLlama's shape, context 1024: that block's compute hides
+# the burst).  One query head per kv head prefetches nothing: with a lane's runs a block of every
+# head long the hardware prefetcher follows them, and the per-row prefetches of the future block
+# that paid off when a lane read 4 KiB runs (1.6-1.8x) made the whole step 1.018x slower.
+PREFETCH_BLOCKS = 2
 
 
 def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
@@ -85,157 +96,184 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                                                 line * per_line // D, line * per_line % D]))
 
     @T.macro
-    def prefetch_row(k_pool, v_pool, bt, kvh, b, n_blocks, t):
-        """Prefetch row ``t`` of head ``kvh``'s K and V in block ``b`` of the table, if any."""
-        if b < n_blocks:
-            for line in T.unroll(-(-D // per_line)):
-                prefetch_l2(T.address_of(k_pool[block(bt, b), kvh, t, line * per_line]))
-                prefetch_l2(T.address_of(v_pool[block(bt, b), kvh, t, line * per_line]))
-
-    @T.macro
-    def attend_one(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, R):
-        """One query head per kv head: ``acc`` (1, D) and ``R`` (bs, DV), the caller's scratch."""
-        s = scratch_buffer((bs,))
-        st = scratch_buffer((4,))  # running max, sum, block max, rescale
-        st[0] = T.float32(-3.0e38)
-        st[1] = T.float32(0)
-        for d in T.vectorized(D):
-            acc[0, d] = T.float32(0)
-        for b in range((ctx + bs - 1) // bs):
-            for t in range(bs):
-                s[t] = T.float32(-3.0e38)
-            for t in range(T.min(bs, ctx - b * bs)):  # q.K for the block's rows
-                for v in T.vectorized(DV):
-                    R[t, v] = T.float32(0)
-                for do in range(D // DV):
-                    for v in T.vectorized(DV):
-                        R[t, v] = R[t, v] + q[row, kvh * D + do * DV + v] * T.Cast(
-                            "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
-            for t in range(T.min(bs, ctx - b * bs)):  # reduced together (no serial chain)
-                lane_sum(R, t)
-                s[t] = R[t, 0] * T.float32(scale)
-            st[2] = s[0]
-            for t in range(1, bs):
-                st[2] = T.max(st[2], s[t])
-            st[3] = fexp(st[0] - T.max(st[0], st[2]))
-            st[0] = T.max(st[0], st[2])
-            st[1] = st[1] * st[3]
-            for d in T.vectorized(D):
-                acc[0, d] = acc[0, d] * st[3]
-            for t in T.vectorized(bs):
-                s[t] = fexp(s[t] - st[0])
-            for t in range(T.min(bs, ctx - b * bs)):
-                prefetch_row(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs, t)
-                st[1] = st[1] + s[t]
-                for d in T.vectorized(D):
-                    acc[0, d] = acc[0, d] + s[t] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
-        for d in T.vectorized(D):
-            out[row, kvh * D + d] = acc[0, d] / st[1]
-
-    @T.macro
-    def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, R):
-        """``acc`` (G, D) and ``R`` (G bs, DV): the caller's float32 scratch for this kv head."""
-        s = scratch_buffer((bs, G))  # the block's scores, [row, query head]
-        st = scratch_buffer((4, G))  # per query head: running max, sum, block max, rescale
+    def init(acc, st):
+        """A head group's state before its first block: no rows seen."""
         for g in range(G):
             st[0, g] = T.float32(-3.0e38)
             st[1, g] = T.float32(0)
             for d in T.vectorized(D):
                 acc[g, d] = T.float32(0)
-        for b in range((ctx + bs - 1) // bs):
-            prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
-            for t, g in T.grid(bs, G):
-                s[t, g] = T.float32(-3.0e38)
-            for t in range(T.min(bs, ctx - b * bs)):  # q.K: each K row read once per GQ heads
-                for gq in range(G // GQ):
-                    r = scratch_buffer((GQ, DV))  # in registers: one store per (row, head)
-                    for gi in T.unroll(GQ):
-                        for v in T.vectorized(DV):
-                            r[gi, v] = T.float32(0)
-                    for do in T.unroll(D // DV):
-                        for gi in T.unroll(GQ):
-                            for v in T.vectorized(DV):
-                                r[gi, v] = r[gi, v] + q[row, (kvh * G + gq * GQ + gi) * D + do * DV
-                                                        + v] * T.Cast(
-                                    "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
-                    for gi in T.unroll(GQ):
-                        for v in T.vectorized(DV):
-                            R[(gq * GQ + gi) * bs + t, v] = r[gi, v]
-            for g in range(G):  # the rows' lane sums together (no serial chain per row)
-                for t in range(T.min(bs, ctx - b * bs)):
-                    lane_sum(R, g * bs + t)
-                    s[t, g] = R[g * bs + t, 0] * T.float32(scale)
-            # the online-softmax update, vectorised over the query heads
-            for g in T.vectorized(G):
-                st[2, g] = s[0, g]
-            for t in range(1, bs):
-                for g in T.vectorized(G):
-                    st[2, g] = T.max(st[2, g], s[t, g])
-            for g in T.vectorized(G):
-                st[3, g] = fexp(st[0, g] - T.max(st[0, g], st[2, g]))
-                st[0, g] = T.max(st[0, g], st[2, g])
-                st[1, g] = st[1, g] * st[3, g]
-            for t in range(bs):
-                for g in T.vectorized(G):
-                    s[t, g] = fexp(s[t, g] - st[0, g])
-            for t in range(T.min(bs, ctx - b * bs)):  # rows past the context stay out of it
-                for g in T.vectorized(G):
-                    st[1, g] = st[1, g] + s[t, g]
-            if v_scratch:
-                for gv in range(G // GV):  # s . V, a V row read once per GV heads
-                    a = scratch_buffer((GV, D))
-                    for gi in T.unroll(GV):
-                        for d in T.vectorized(D):
-                            a[gi, d] = T.float32(0)
-                    for t in range(T.min(bs, ctx - b * bs)):
-                        for do in T.unroll(D // DV):
-                            for gi in T.unroll(GV):
-                                for v in T.vectorized(DV):
-                                    a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
-                                        T.Cast("float32",
-                                               v_pool[block(bt, b), kvh, t, do * DV + v]))
-                    for gi in T.unroll(GV):
-                        for d in T.vectorized(D):
-                            acc[gv * GV + gi, d] = (acc[gv * GV + gi, d] * st[3, gv * GV + gi]
-                                                    + a[gi, d])
-            else:  # not even one head's sums fit the stack: straight into acc
-                for g in range(G):
-                    for d in T.vectorized(D):
-                        acc[g, d] = acc[g, d] * st[3, g]
-                for t in range(T.min(bs, ctx - b * bs)):
-                    for g in range(G):
-                        for d in T.vectorized(D):
-                            acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
-                                "float32", v_pool[block(bt, b), kvh, t, d])
+
+    @T.macro
+    def finish(out, row, kvh, acc, st):
         for g in range(G):
             for d in T.vectorized(D):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
 
-    if G == 1:
-        return attend_one, (1, D), (bs, DV)
-    return attend, (G, D), (G * bs, DV)
+    @T.macro
+    def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R):
+        """Block ``b`` of the table for one query head per kv head: ``acc`` (1, D), ``st``
+        (4, 1) the running state, ``R`` (bs, DV) scratch."""
+        s = scratch_buffer((bs,))
+        for t in range(bs):
+            s[t] = T.float32(-3.0e38)
+        for t in range(T.min(bs, ctx - b * bs)):  # q.K for the block's rows
+            for v in T.vectorized(DV):
+                R[t, v] = T.float32(0)
+            for do in range(D // DV):
+                for v in T.vectorized(DV):
+                    R[t, v] = R[t, v] + q[row, kvh * D + do * DV + v] * T.Cast(
+                        "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
+        for t in range(T.min(bs, ctx - b * bs)):  # reduced together (no serial chain)
+            lane_sum(R, t)
+            s[t] = R[t, 0] * T.float32(scale)
+        st[2, 0] = s[0]
+        for t in range(1, bs):
+            st[2, 0] = T.max(st[2, 0], s[t])
+        st[3, 0] = fexp(st[0, 0] - T.max(st[0, 0], st[2, 0]))
+        st[0, 0] = T.max(st[0, 0], st[2, 0])
+        st[1, 0] = st[1, 0] * st[3, 0]
+        for d in T.vectorized(D):
+            acc[0, d] = acc[0, d] * st[3, 0]
+        for t in T.vectorized(bs):
+            s[t] = fexp(s[t] - st[0, 0])
+        for t in range(T.min(bs, ctx - b * bs)):
+            st[1, 0] = st[1, 0] + s[t]
+            for d in T.vectorized(D):
+                acc[0, d] = acc[0, d] + s[t] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
+
+    @T.macro
+    def step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R):
+        """Block ``b`` of the table for the ``G`` query heads of kv head ``kvh``: ``acc`` (G, D),
+        ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (G bs, DV)."""
+        s = scratch_buffer((bs, G))  # the block's scores, [row, query head]
+        prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
+        for t, g in T.grid(bs, G):
+            s[t, g] = T.float32(-3.0e38)
+        for t in range(T.min(bs, ctx - b * bs)):  # q.K: each K row read once per GQ heads
+            for gq in range(G // GQ):
+                r = scratch_buffer((GQ, DV))  # in registers: one store per (row, head)
+                for gi in T.unroll(GQ):
+                    for v in T.vectorized(DV):
+                        r[gi, v] = T.float32(0)
+                for do in T.unroll(D // DV):
+                    for gi in T.unroll(GQ):
+                        for v in T.vectorized(DV):
+                            r[gi, v] = r[gi, v] + q[row, (kvh * G + gq * GQ + gi) * D + do * DV
+                                                    + v] * T.Cast(
+                                "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
+                for gi in T.unroll(GQ):
+                    for v in T.vectorized(DV):
+                        R[(gq * GQ + gi) * bs + t, v] = r[gi, v]
+        for g in range(G):  # the rows' lane sums together (no serial chain per row)
+            for t in range(T.min(bs, ctx - b * bs)):
+                lane_sum(R, g * bs + t)
+                s[t, g] = R[g * bs + t, 0] * T.float32(scale)
+        # the online-softmax update, vectorised over the query heads
+        for g in T.vectorized(G):
+            st[2, g] = s[0, g]
+        for t in range(1, bs):
+            for g in T.vectorized(G):
+                st[2, g] = T.max(st[2, g], s[t, g])
+        for g in T.vectorized(G):
+            st[3, g] = fexp(st[0, g] - T.max(st[0, g], st[2, g]))
+            st[0, g] = T.max(st[0, g], st[2, g])
+            st[1, g] = st[1, g] * st[3, g]
+        for t in range(bs):
+            for g in T.vectorized(G):
+                s[t, g] = fexp(s[t, g] - st[0, g])
+        for t in range(T.min(bs, ctx - b * bs)):  # rows past the context stay out of it
+            for g in T.vectorized(G):
+                st[1, g] = st[1, g] + s[t, g]
+        if v_scratch:
+            for gv in range(G // GV):  # s . V, a V row read once per GV heads
+                a = scratch_buffer((GV, D))
+                for gi in T.unroll(GV):
+                    for d in T.vectorized(D):
+                        a[gi, d] = T.float32(0)
+                for t in range(T.min(bs, ctx - b * bs)):
+                    for do in T.unroll(D // DV):
+                        for gi in T.unroll(GV):
+                            for v in T.vectorized(DV):
+                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
+                                    T.Cast("float32",
+                                           v_pool[block(bt, b), kvh, t, do * DV + v]))
+                for gi in T.unroll(GV):
+                    for d in T.vectorized(D):
+                        acc[gv * GV + gi, d] = (acc[gv * GV + gi, d] * st[3, gv * GV + gi]
+                                                + a[gi, d])
+        else:  # not even one head's sums fit the stack: straight into acc
+            for g in range(G):
+                for d in T.vectorized(D):
+                    acc[g, d] = acc[g, d] * st[3, g]
+            for t in range(T.min(bs, ctx - b * bs)):
+                for g in range(G):
+                    for d in T.vectorized(D):
+                        acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
+                            "float32", v_pool[block(bt, b), kvh, t, d])
+
+    return init, (step_one if G == 1 else step), finish, (G, D), (4, G), (G * bs, DV)
 
 
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    attend, acc_shape, r_shape = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    init, step, finish, acc_shape, st_shape, r_shape = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    G = Hq // Hkv
+
+    @T.macro
+    def merge(out, acc_p, st_p, parts):
+        """out = the ``parts`` partial softmax states of every head combined: each part's sums
+        rescaled to the overall max, divided by the overall sum."""
+        for kvh, g in T.grid(Hkv, G):
+            m = scratch_buffer((2,))  # overall max, overall sum
+            m[0] = st_p[0, kvh, 0, g]
+            for p in range(1, parts):
+                m[0] = T.max(m[0], st_p[p, kvh, 0, g])
+            m[1] = T.float32(0)
+            for p in range(parts):  # slot 2: the part's weight exp(max_p - max)
+                st_p[p, kvh, 2, g] = fexp(st_p[p, kvh, 0, g] - m[0])
+                m[1] = m[1] + st_p[p, kvh, 1, g] * st_p[p, kvh, 2, g]
+            for d in T.vectorized(D):
+                out[0, (kvh * G + g) * D + d] = T.float32(0)
+            for p in range(parts):
+                for d in T.vectorized(D):
+                    out[0, (kvh * G + g) * D + d] = (out[0, (kvh * G + g) * D + d]
+                                                     + acc_p[p, kvh, g, d] * st_p[p, kvh, 2, g])
+            for d in T.vectorized(D):
+                out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
         assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
-        for b in range((context_len + bs - 1) // bs):
+        n_blocks = (context_len + bs - 1) // bs
+        for b in range(n_blocks):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-        acc_all = T.decl_buffer((Hkv,) + acc_shape, "float32")  # per-head scratch, one block
-        r_all = T.decl_buffer((Hkv,) + r_shape, "float32")
         if context_len * Hq * D >= PARALLEL_MIN_WORK:
-            for kvh in T.parallel(Hkv):
-                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len,
-                       lane_slice(acc_all, kvh, acc_shape), lane_slice(r_all, kvh, r_shape))
+            parts = T.min(T.int64(MAX_PARTS), (n_blocks + PART_BLOCKS - 1) // PART_BLOCKS)
+            acc_p = T.decl_buffer((MAX_PARTS, Hkv) + acc_shape, "float32")
+            st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
+            r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
+            for p in T.parallel(parts):  # a run of whole blocks, every head, block by block
+                for kvh in range(Hkv):
+                    init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
+                         lane_slice(st_p, p * Hkv + kvh, st_shape))
+                for b in range(p * n_blocks // parts, (p + 1) * n_blocks // parts):
+                    for kvh in range(Hkv):
+                        step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
+                             lane_slice(acc_p, p * Hkv + kvh, acc_shape),
+                             lane_slice(st_p, p * Hkv + kvh, st_shape),
+                             lane_slice(r_p, p, r_shape))
+            merge(out, acc_p, st_p, parts)
         else:  # a short context costs less than waking the thread pool
-            for kvh in T.serial(Hkv):
-                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len,
-                       lane_slice(acc_all, kvh, acc_shape), lane_slice(r_all, kvh, r_shape))
+            acc = scratch_buffer(acc_shape)
+            st = scratch_buffer(st_shape)
+            r = T.decl_buffer(r_shape, "float32")
+            for kvh in range(Hkv):
+                init(acc, st)
+                for b in range(n_blocks):
+                    step(q, k_pool, v_pool, bt, 0, kvh, b, context_len, acc, st, r)
+                finish(out, 0, kvh, acc, st)
 
     return body
 
@@ -279,7 +317,8 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 @cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    attend, acc_shape, r_shape = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    init, step, finish, acc_shape, st_shape, r_shape = _attend_macro(Hq, Hkv, D, block_size,
+                                                                     cap, cdt)
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     n = token_dim(None)
 
@@ -294,8 +333,14 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
             for b in range((start_pos + n + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-            for ik in T.parallel(n * Hkv):
-                attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1,
-                       scratch_buffer(acc_shape), scratch_buffer(r_shape))
+            for ik in T.parallel(n * Hkv):  # (query row, kv head) tasks, each over its blocks
+                acc = scratch_buffer(acc_shape)
+                st = scratch_buffer(st_shape)
+                r = scratch_buffer(r_shape)
+                init(acc, st)
+                for b in range((start_pos + ik // Hkv + bs) // bs):
+                    step(q, k_pool, v_pool, bt, ik // Hkv, ik % Hkv, b, start_pos + ik // Hkv + 1,
+                         acc, st, r)
+                finish(out, ik // Hkv, ik % Hkv, acc, st)
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
