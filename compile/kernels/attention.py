@@ -111,12 +111,11 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
 
     @T.macro
-    def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R):
+    def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
         """Block ``b`` of the table for one query head per kv head: ``acc`` (1, D), ``st``
-        (4, 1) the running state, ``R`` (bs, DV) scratch."""
-        s = scratch_buffer((bs,))
+        (4, 1) the running state, ``R`` (bs, DV) and ``s`` (bs, 1) scratch."""
         for t in range(bs):
-            s[t] = T.float32(-3.0e38)
+            s[t, 0] = T.float32(-3.0e38)
         for t in range(T.min(bs, ctx - b * bs)):  # q.K for the block's rows
             for v in T.vectorized(DV):
                 R[t, v] = T.float32(0)
@@ -126,27 +125,29 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                         "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
         for t in range(T.min(bs, ctx - b * bs)):  # reduced together (no serial chain)
             lane_sum(R, t)
-            s[t] = R[t, 0] * T.float32(scale)
-        st[2, 0] = s[0]
+            s[t, 0] = R[t, 0] * T.float32(scale)
+        st[2, 0] = s[0, 0]
         for t in range(1, bs):
-            st[2, 0] = T.max(st[2, 0], s[t])
+            st[2, 0] = T.max(st[2, 0], s[t, 0])
         st[3, 0] = fexp(st[0, 0] - T.max(st[0, 0], st[2, 0]))
         st[0, 0] = T.max(st[0, 0], st[2, 0])
         st[1, 0] = st[1, 0] * st[3, 0]
         for d in T.vectorized(D):
             acc[0, d] = acc[0, d] * st[3, 0]
         for t in T.vectorized(bs):
-            s[t] = fexp(s[t] - st[0, 0])
+            s[t, 0] = fexp(s[t, 0] - st[0, 0])
         for t in range(T.min(bs, ctx - b * bs)):
-            st[1, 0] = st[1, 0] + s[t]
+            st[1, 0] = st[1, 0] + s[t, 0]
             for d in T.vectorized(D):
-                acc[0, d] = acc[0, d] + s[t] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
+                acc[0, d] = acc[0, d] + s[t, 0] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
 
     @T.macro
-    def step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R):
+    def step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
         """Block ``b`` of the table for the ``G`` query heads of kv head ``kvh``: ``acc`` (G, D),
-        ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (G bs, DV)."""
-        s = scratch_buffer((bs, G))  # the block's scores, [row, query head]
+        ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (G bs, DV) and
+        ``s`` (bs, G) scratch (the block's scores, [row, query head]).  The caller declares the
+        scratch once per lane: with 16 or more query heads per kv head ``s`` is 1 KiB or more,
+        which TVM would heap-allocate at every block."""
         prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
         for t, g in T.grid(bs, G):
             s[t, g] = T.float32(-3.0e38)
@@ -212,13 +213,15 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                         acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
                             "float32", v_pool[block(bt, b), kvh, t, d])
 
-    return init, (step_one if G == 1 else step), finish, (G, D), (4, G), (G * bs, DV)
+    return (init, (step_one if G == 1 else step), finish,
+            ((G, D), (4, G), (G * bs, DV), (bs, G)))
 
 
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    init, step, finish, acc_shape, st_shape, r_shape = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    init, step, finish, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    acc_shape, st_shape, r_shape, s_shape = shapes
     G = Hq // Hkv
 
     @T.macro
@@ -255,6 +258,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
             r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
             for p in T.parallel(parts):  # a run of whole blocks, every head, block by block
+                scores = scratch_buffer(s_shape)
                 for kvh in range(Hkv):
                     init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                          lane_slice(st_p, p * Hkv + kvh, st_shape))
@@ -263,16 +267,17 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
                         step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
                              lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                              lane_slice(st_p, p * Hkv + kvh, st_shape),
-                             lane_slice(r_p, p, r_shape))
+                             lane_slice(r_p, p, r_shape), scores)
             merge(out, acc_p, st_p, parts)
         else:  # a short context costs less than waking the thread pool
             acc = scratch_buffer(acc_shape)
             st = scratch_buffer(st_shape)
             r = T.decl_buffer(r_shape, "float32")
+            scores = scratch_buffer(s_shape)
             for kvh in range(Hkv):
                 init(acc, st)
                 for b in range(n_blocks):
-                    step(q, k_pool, v_pool, bt, 0, kvh, b, context_len, acc, st, r)
+                    step(q, k_pool, v_pool, bt, 0, kvh, b, context_len, acc, st, r, scores)
                 finish(out, 0, kvh, acc, st)
 
     return body
@@ -317,8 +322,8 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 @cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    init, step, finish, acc_shape, st_shape, r_shape = _attend_macro(Hq, Hkv, D, block_size,
-                                                                     cap, cdt)
+    init, step, finish, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    acc_shape, st_shape, r_shape, s_shape = shapes
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     n = token_dim(None)
 
@@ -337,10 +342,11 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
                 acc = scratch_buffer(acc_shape)
                 st = scratch_buffer(st_shape)
                 r = scratch_buffer(r_shape)
+                scores = scratch_buffer(s_shape)
                 init(acc, st)
                 for b in range((start_pos + ik // Hkv + bs) // bs):
                     step(q, k_pool, v_pool, bt, ik // Hkv, ik % Hkv, b, start_pos + ik // Hkv + 1,
-                         acc, st, r)
+                         acc, st, r, scores)
                 finish(out, ik // Hkv, ik % Hkv, acc, st)
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
