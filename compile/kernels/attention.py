@@ -57,7 +57,7 @@ QK_HEADS, SV_HEADS = 8, 3
 # stream, 0.29 (4 KiB) / 0.59 (48 KiB) with the machine's read at 62 GB/s, 0.52 / 0.79 at 34 GB/s.
 # It also scales past as many cores as kv heads.  Whole decode step at context 1024 (160M shape,
 # 34 GB/s), against splitting by head: 0.986 (f32) / 0.983 (f16); attention alone on a scattered
-# table 0.79 against 0.75 of the streaming read.
+# table within noise of it (f32: 0.67-0.79 against 0.70-0.75 of the streaming read).
 PART_BLOCKS, MAX_PARTS = 8, 16
 # The grouped step prefetches the K / V of the block PREFETCH_BLOCKS ahead in the table into L2,
 # all at once at the block's start (TinyLlama's shape, context 1024: that block's compute hides
