@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tvm
 
-from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_BLOCKS,
+from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_ROWS,
                                                     paged_attention_decode,
                                                     paged_attention_prefill)
 from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
@@ -119,13 +119,14 @@ def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
 
 
 @pytest.mark.parametrize("cdt", ["float32", "float16"])
-@pytest.mark.parametrize("hq,hkv,d", [(12, 12, 64), (32, 4, 64), (4, 2, 128)])
-def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d):
+@pytest.mark.parametrize("hq,hkv,d,bs", [(12, 12, 64, 16), (32, 4, 64, 16), (4, 2, 128, 16),
+                                         (12, 12, 64, 64)])
+def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d, bs):
     """Long contexts, where decode splits the blocks among parallel parts and merges their
-    softmax states: one part, uneven parts, and more blocks than MAX_PARTS full parts hold.
-    Rows past the context hold inf / nan."""
-    bs = 16
-    part_rows = PART_BLOCKS * bs
+    softmax states: two parts, uneven parts, and more blocks than MAX_PARTS full parts hold;
+    with 64-token blocks a part is PART_ROWS // 64 = 2 blocks.  Rows past the context hold
+    inf / nan."""
+    part_rows = PART_ROWS
     ctxs = [part_rows, part_rows + 1, 3 * part_rows + 5, MAX_PARTS * part_rows + 3 * bs + 7]
     assert min(ctxs) * hq * d >= PARALLEL_MIN_WORK  # all of them take the parallel path
     cap = -(-max(ctxs) // bs)

@@ -48,7 +48,9 @@ PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention
 # slower there with f16.
 QK_HEADS, SV_HEADS = 8, 3
 # Decode over a context of several blocks splits the blocks, not the heads, among the parallel
-# lanes (parts of at least PART_BLOCKS blocks, at most MAX_PARTS parts); a lane reads each of its
+# lanes (parts of whole blocks, at least PART_ROWS rows unless that leaves fewer than two parts,
+# at most MAX_PARTS parts: with parts counted in blocks, 128-token blocks ran a 1024-token
+# context on one thread, and 64-token ones a 512-token one); a lane reads each of its
 # blocks for every head before the next block, and the parts' softmax states are merged at the
 # end.  The pool keeps a block's heads adjacent (``[block, kv_head, slot, dim]``), so a lane reads
 # one run of Hkv * block_size * D elements per block from K and one from V, where splitting by
@@ -57,8 +59,12 @@ QK_HEADS, SV_HEADS = 8, 3
 # stream, 0.29 (4 KiB) / 0.59 (48 KiB) with the machine's read at 62 GB/s, 0.52 / 0.79 at 34 GB/s.
 # It also scales past as many cores as kv heads.  Whole decode step at context 1024 (160M shape,
 # 34 GB/s), against splitting by head: 0.986 (f32) / 0.983 (f16); attention alone on a scattered
-# table within noise of it (f32: 0.67-0.79 against 0.70-0.75 of the streaming read).
-PART_BLOCKS, MAX_PARTS = 8, 16
+# table within noise of it (f32: 0.67-0.79 against 0.70-0.75 of the streaming read).  A lane
+# stepping through two parts side by side (two concurrent runs) read a scattered table 1.1x
+# faster but an identity one up to 1.1x slower (whole step, context 1024, f16: scattered 1-4 %
+# faster, identity 2-4 % slower): not kept.  Longer blocks (``TargetSpec.default_block_size``)
+# are what shortens a scattered table's restarts.
+PART_ROWS, MAX_PARTS = 128, 16
 # The grouped step prefetches the K / V of the block PREFETCH_BLOCKS ahead in the table into L2,
 # all at once at the block's start (TinyLlama's shape, context 1024: that block's compute hides
 # the burst).  One query head per kv head prefetches nothing: with a lane's runs a block of every
@@ -223,6 +229,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     init, step, finish, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     G = Hq // Hkv
+    part_blocks = max(1, PART_ROWS // bs)
 
     @T.macro
     def merge(out, acc_p, st_p, parts):
@@ -253,7 +260,8 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
         for b in range(n_blocks):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
         if context_len * Hq * D >= PARALLEL_MIN_WORK:
-            parts = T.min(T.int64(MAX_PARTS), (n_blocks + PART_BLOCKS - 1) // PART_BLOCKS)
+            parts = T.min(T.min(T.int64(MAX_PARTS), n_blocks),
+                          T.max(T.int64(2), (n_blocks + part_blocks - 1) // part_blocks))
             acc_p = T.decl_buffer((MAX_PARTS, Hkv) + acc_shape, "float32")
             st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
             r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
