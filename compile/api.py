@@ -134,13 +134,16 @@ def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: s
                               _weights_complete, policy, hint)
 
 
-def key_of(model: str | None = None, *, target: str | None = None, block_size: int = 16,
-           max_context: int | None = None, max_blocks_cap: int | None = None,
-           cache_dtype: str = "float32", weight_dtype: str = "float32") -> dict:
+def key_of(model: str | None = None, *, target: str | None = None,
+           block_size: int | None = None, max_context: int | None = None,
+           max_blocks_cap: int | None = None, cache_dtype: str = "float32",
+           weight_dtype: str = "float32") -> dict:
     """The artifact key fields and digest, without compiling."""
     source = resolve_model(model)
-    spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
-    m = manifest_for(spec, resolve_target(target))
+    tspec = resolve_target(target)
+    bs = tspec.default_block_size if block_size is None else block_size
+    spec = _spec(source, bs, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    m = manifest_for(spec, tspec)
     return {"digest": m["digest"], "key": m["key"]}
 
 
@@ -167,7 +170,7 @@ def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
 
 
 def prepare(model: str | ModelSource | None = None, *, target: str | None = None,
-            block_size: int = 16,
+            block_size: int | None = None,
             max_context: int | None = None, max_blocks_cap: int | None = None,
             cache_dtype: str = "float32", weight_dtype: str = "float32",
             artifacts: str | Path | None = None, policy: str | None = None,
@@ -175,6 +178,8 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     """Resolve the model (or take a resolved ``ModelSource``), then build (or reuse) its
     artifact and weight pack.
 
+    ``block_size`` None takes the target's default (``TargetSpec.default_block_size``: 32 on
+    the CPU, 16 on GPUs).
     ``progress`` receives a line before each long step (compile, weight conversion), and a
     ``warning: ...`` line for a capacity above the model's ``max_position_embeddings`` (without
     ``progress`` that warning goes to the log).
@@ -183,13 +188,14 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     """
     say = progress or (lambda _msg: None)
     source = resolve_model(model)
-    spec = _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    tspec = resolve_target(target)
+    bs = tspec.default_block_size if block_size is None else block_size
+    spec = _spec(source, bs, max_context, max_blocks_cap, cache_dtype, weight_dtype)
     warning = context_warning(spec, by_blocks=max_blocks_cap is not None)
     if warning and progress is not None:
         say(f"warning: {warning}")
     elif warning:
         log.warning("%s", warning)
-    tspec = resolve_target(target)
     root = cache.artifacts_root(artifacts)
     policy = "redo" if force else cache.cache_policy(policy)
     say(f"artifact {artifact_name(spec, tspec)} (cache policy {policy})")

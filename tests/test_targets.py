@@ -141,6 +141,15 @@ def test_cuda_arch_enters_key_and_fatbin(build):
     assert cuda["archs"] == ["sm_80"] and cuda["fatbin"]
 
 
+def test_default_block_size_is_the_targets():
+    """No block size given: 32 tokens on the CPU, 16 on GPUs; one given is kept."""
+    for target, want in ((None, 32), ("llvm", 32), ("cuda", 16), ("vulkan", 16), ("metal", 16)):
+        assert resolve_target(target).default_block_size == want
+        key = key_of("tiny", target=target, max_context=256)["key"]
+        assert key["block_size"] == want and key["max_blocks_cap"] == 256 // want, target
+    assert key_of("tiny", block_size=8, max_context=256)["key"]["block_size"] == 8
+
+
 def test_target_names():
     assert resolve_target("cuda").arch == "sm_90" and resolve_target("cuda:sm_80").arch == "sm_80"
     for kind in ("metal", "webgpu"):
