@@ -180,14 +180,17 @@ def cache_cmd(artifacts, clear):
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
               help="rounds of back-to-back measurements, ratios paired per round "
                    "[default: 4, --quick 2]")
+@click.option("--block-size", default=None, type=int,
+              help="KV-cache block size of the artifacts measured (default: the CPU's, 32)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @_clean_errors
-def bench_cmd(models, out, dtypes, quick, rounds, artifacts):
+def bench_cmd(models, out, dtypes, quick, rounds, block_size, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.compile.bench import run_bench
 
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
-                       dtypes=tuple(dtypes), rounds=rounds, progress=_progress)
+                       dtypes=tuple(dtypes), rounds=rounds, block_size=block_size,
+                       progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
 

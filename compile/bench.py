@@ -308,8 +308,8 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
     (tiny), HF eager."""
     max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
-    prepared = prepare(source, block_size=16, max_context=max_ctx, cache_dtype=dtype,
-                       weight_dtype=dtype, artifacts=artifacts)
+    prepared = prepare(source, block_size=cfg["block_size"], max_context=max_ctx,
+                       cache_dtype=dtype, weight_dtype=dtype, artifacts=artifacts)
     ours = _Ours(prepared)
     m = ours.m
     lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say)
@@ -362,7 +362,8 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
-    return {"model": model, "dtype": dtype, "bandwidth_gbps": float(np.median(bw)),
+    return {"model": model, "dtype": dtype, "block_size": m["block_size"],
+            "bandwidth_gbps": float(np.median(bw)),
             "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
             "baselines": baselines_out}
@@ -399,10 +400,11 @@ def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
 
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
               dtypes=("float32", "float16"), rounds: int | None = None,
+              block_size: int | None = None,
               progress: Callable[[str], None] | None = None) -> dict:
     """Run every measurement for each model x dtype; write bench.json, bench.md, bench.png."""
     say = progress or (lambda _m: None)
-    cfg = dict(QUICK if quick else FULL)
+    cfg = dict(QUICK if quick else FULL, block_size=block_size)
     if rounds is not None:
         cfg["rounds"] = rounds
     # resolved (and an HF or GGUF model's weights hashed) once: an unknown model fails before

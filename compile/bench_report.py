@@ -79,8 +79,10 @@ def markdown(report: dict) -> str:
     bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f} "
                     f"({min(r['bandwidth_samples']):.1f}-{max(r['bandwidth_samples']):.1f})"
                     for r in report["runs"])
+    blocks = sorted({r["block_size"] for r in report["runs"]})
     lines = [f"Read bandwidth (GB/s, median (min-max) of the readings, "
-             f"{report['machine']['cpu_count']} cores): {bws}.", "",
+             f"{report['machine']['cpu_count']} cores): {bws}.  KV-cache blocks of "
+             f"{' / '.join(map(str, blocks))} tokens.", "",
              "ms/token at context, median of all readings (fraction of the bandwidth floor: "
              "median over the stable pairs, each against its own bandwidth readings); prefill "
              "tokens/s by prompt length.", "",

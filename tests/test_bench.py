@@ -15,10 +15,12 @@ from paged_decode.compile import bench, bench_report
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     out = tmp_path / "bench"
     result = CliRunner().invoke(bench_cmd, ["--model", "tiny", "--quick", "--rounds", "3", "--dtype", "float32",
-                                            "--out", str(out), "--artifacts", str(artifact_root)])
+                                            "--block-size", "8", "--out", str(out),
+                                            "--artifacts", str(artifact_root)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     (run,) = report["runs"]
+    assert run["block_size"] == 8
     assert run["bandwidth_gbps"] > 0
     ours = run["ours"]
     contexts = [str(c) for c in report["settings"]["contexts"]]
@@ -64,6 +66,7 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
         assert "vs_llamacpp" not in ours
     md = (out / "bench.md").read_text()
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
+    assert "KV-cache blocks of 8 tokens" in md
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
