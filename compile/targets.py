@@ -69,8 +69,8 @@ class TargetSpec:
         """Tokens per KV block when the user names none.  On the CPU a decode thread reads a
         block of every kv head as one run from K and one from V, and the hardware prefetcher
         starts over at every run of a scattered block table.  Whole decode step, 160M shape,
-        float16, context 1024, against 16-token blocks: 32-token ones (48 KiB runs) 4.5-6.5 %
-        faster on a scattered table and within 1 % on an identity one; 64-token ones 5-8 %
+        float16, context 1024, against 16-token blocks: 32-token ones (48 KiB runs) 3.5-6.5 %
+        faster on a scattered table and within 2 % on an identity one; 64-token ones up to 8 %
         faster scattered but up to 6 % slower on an identity table, 128-token ones 5-7 % slower
         there.  GPUs keep 16, the common paged-attention block there."""
         return 32 if self.kind == "llvm" else 16
