@@ -10,7 +10,7 @@ import tvm
 
 from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_ROWS,
                                                     paged_attention_decode,
-                                                    paged_attention_prefill)
+                                                    paged_attention_prefill, split_parts)
 from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
@@ -89,7 +89,7 @@ def test_paged_attention_decode(pools, ctx):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 64), (9, 3, 64), (32, 4, 64),
                                       (24, 2, 64), (16, 1, 64), (8, 2, 128), (4, 2, 256)])
 def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
-    """The shapes the models use (block_size 16; 1, 3, 4, 8, 12 and 16 query heads per kv head,
+    """The shapes the models use (16-token blocks; 1, 3, 4, 8, 12 and 16 query heads per kv head,
     so the kernel's head grouping meets remainders and several groups; head_dim 64, 128 and 256),
     decode and prefill.  Rows past the context hold inf / nan (a block's unused slots keep
     whatever a freed sequence left there): they must not reach the output."""
@@ -120,14 +120,16 @@ def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
 
 @pytest.mark.parametrize("cdt", ["float32", "float16"])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 12, 64, 16), (32, 4, 64, 16), (4, 2, 128, 16),
-                                         (12, 12, 64, 64)])
+                                         (12, 12, 64, 64), (32, 4, 64, 32)])
 def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d, bs):
     """Long contexts, where decode splits the blocks among parallel parts and merges their
-    softmax states: two parts, uneven parts, and more blocks than MAX_PARTS full parts hold;
-    with 64-token blocks a part is PART_ROWS // 64 = 2 blocks.  Rows past the context hold
-    inf / nan."""
+    softmax states: one block (one part) where that is long enough for the parallel path, two
+    parts, uneven parts, and more blocks than MAX_PARTS full parts hold; with 64-token blocks a
+    part is PART_ROWS // 64 = 2 blocks.  Rows past the context hold inf / nan."""
     part_rows = PART_ROWS
     ctxs = [part_rows, part_rows + 1, 3 * part_rows + 5, MAX_PARTS * part_rows + 3 * bs + 7]
+    if bs * hq * d >= PARALLEL_MIN_WORK:
+        ctxs.append(bs)
     assert min(ctxs) * hq * d >= PARALLEL_MIN_WORK  # all of them take the parallel path
     cap = -(-max(ctxs) // bs)
     rng = np.random.default_rng(hq + d)
@@ -145,6 +147,20 @@ def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d, bs):
         fn(_t(q), _t(kc), _t(vc), _t(table), ctx, out)
         ref = ref_attention(q[0].reshape(hq, d), k, v, table[0], ctx)
         np.testing.assert_allclose(out.numpy()[0], ref, atol=TOL["float32"], rtol=0)
+
+
+@pytest.mark.parametrize("bs", [4, 16, 32, 48, 64, 128, 256])
+def test_split_parts_bounds_each_part_in_rows(bs):
+    """Decode attention's parts: at most PART_ROWS // bs blocks each (one for bs > PART_ROWS)
+    unless MAX_PARTS parts are reached, at least two where there are two blocks, never more than
+    the blocks; so 128-token blocks at context 1024 (8 blocks) use 8 parts, not one."""
+    part_blocks = max(1, PART_ROWS // bs)
+    for n in range(1, 300):
+        parts = split_parts(n, bs)
+        assert 1 <= parts <= min(MAX_PARTS, n) and parts >= min(2, n), (n, parts)
+        if parts < MAX_PARTS:
+            assert -(-n // parts) <= part_blocks, (n, parts)
+    assert split_parts(1024 // 128, 128) == 8 and split_parts(512 // 64, 64) == 4
 
 
 @pytest.mark.parametrize("pools", ["float32"], indirect=True)

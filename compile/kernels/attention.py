@@ -10,7 +10,7 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   -> out (n, Hq D) float32
 The ``group`` query heads of one kv head share every K/V row load.  Decode splits a long
 context's blocks among the parallel lanes, each lane taking every head of a block before the
-next block, and merges the lanes' softmax states (see ``PART_BLOCKS``); prefill splits by (query
+next block, and merges the lanes' softmax states (see ``PART_ROWS``); prefill splits by (query
 row, kv head).  A block holds each kv head's rows contiguously (``[block, kv_head, slot, dim]``,
 a block's heads one after the other), so a block of one head is one ``block_size x D`` run and a
 block of all heads one run of Hkv times that, whatever block the table points at: with the
@@ -48,9 +48,9 @@ PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention
 # slower there with f16.
 QK_HEADS, SV_HEADS = 8, 3
 # Decode over a context of several blocks splits the blocks, not the heads, among the parallel
-# lanes (parts of whole blocks, at least PART_ROWS rows unless that leaves fewer than two parts,
-# at most MAX_PARTS parts: with parts counted in blocks, 128-token blocks ran a 1024-token
-# context on one thread, and 64-token ones a 512-token one); a lane reads each of its
+# lanes (``split_parts``: parts of whole blocks, at most about PART_ROWS rows each, at least two,
+# at most MAX_PARTS; with parts counted in blocks, 128-token blocks ran a 1024-token context on
+# one thread, and 64-token ones a 512-token one); a lane reads each of its
 # blocks for every head before the next block, and the parts' softmax states are merged at the
 # end.  The pool keeps a block's heads adjacent (``[block, kv_head, slot, dim]``), so a lane reads
 # one run of Hkv * block_size * D elements per block from K and one from V, where splitting by
@@ -67,9 +67,10 @@ QK_HEADS, SV_HEADS = 8, 3
 PART_ROWS, MAX_PARTS = 128, 16
 # The grouped step prefetches the K / V of the block PREFETCH_BLOCKS ahead in the table into L2,
 # all at once at the block's start (TinyLlama's shape, context 1024: that block's compute hides
-# the burst).  One query head per kv head prefetches nothing: with a lane's runs a block of every
-# head long the hardware prefetcher follows them, and the per-row prefetches of the future block
-# that paid off when a lane read 4 KiB runs (1.6-1.8x) made the whole step 1.018x slower.
+# the burst).  One query head per kv head prefetches no future block: with a lane's runs a block
+# of every head long the hardware prefetcher follows them, and the per-row prefetches of the
+# future block that paid off when a lane read 4 KiB runs (1.6-1.8x) made the whole step 1.018x
+# slower (it prefetches within the run instead, float32 only: ``ROW_PREFETCH_BYTES``).
 PREFETCH_BLOCKS = 2
 # One query head per kv head, float32 cache: each K / V row step also prefetches the row this
 # many bytes ahead into L2 (the GEMVs' software prefetch, at a shorter distance).  Attention alone
@@ -77,7 +78,9 @@ PREFETCH_BLOCKS = 2
 # faster, a scattered one 1.05-1.15x, with the machine's read at 37-92 GB/s (the whole step 0.975
 # of its time on either); 3 KiB ahead gained as much except at 92 GB/s (1.03), 6 KiB less.  A
 # float16 cache is compute bound (converting costs more than the read at the machine's fast
-# rate) and ran 1.2-1.7x slower with it.
+# rate) and ran 1.2-1.7x slower with it.  Prefill and the short-context path run the same step
+# head by head, where a prefetch past a block's last row fetches the next head's rows early;
+# they were not measured with it.
 ROW_PREFETCH_BYTES = 1536
 
 
@@ -132,7 +135,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         (unused where the table scatters, and never a fault)."""
         if ahead > 0:
             flat = T.decl_buffer((1 << 62,), cdt, data=pool.data)
-            for line in T.unroll(D // per_line):
+            for line in T.unroll(-(-D // per_line)):
                 prefetch_l2(T.address_of(
                     flat[((block(bt, b) * Hkv + kvh) * bs + t + ahead) * D + line * per_line]))
 
@@ -174,8 +177,9 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         """Block ``b`` of the table for the ``G`` query heads of kv head ``kvh``: ``acc`` (G, D),
         ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (G bs, DV) and
         ``s`` (bs, G) scratch (the block's scores, [row, query head]).  The caller declares the
-        scratch once per lane: with 16 or more query heads per kv head ``s`` is 1 KiB or more,
-        which TVM would heap-allocate at every block."""
+        scratch once per lane: from 256 scores on (16 query heads per kv head with 16-token
+        blocks, 8 with 32-token ones) ``s`` is 1 KiB or more, which TVM heap-allocates at every
+        entry of the loop that declares it (once per lane here, per task in prefill)."""
         prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
         for t, g in T.grid(bs, G):
             s[t, g] = T.float32(-3.0e38)
@@ -245,13 +249,22 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             ((G, D), (4, G), (G * bs, DV), (bs, G)))
 
 
+def split_parts(n_blocks, bs, lo=min, hi=max, const=int):
+    """How many parts decode attention cuts a context of ``n_blocks`` blocks into: whole blocks,
+    at most ``max(1, PART_ROWS // bs)`` each unless that makes more than MAX_PARTS parts, at least
+    two (one for a single block).  ``lo`` / ``hi`` / ``const``: min / max / a constant, Python's
+    or TIR's (the kernel passes T.min, T.max, T.int64)."""
+    part_blocks = max(1, PART_ROWS // bs)
+    return lo(lo(const(MAX_PARTS), n_blocks),
+              hi(const(2), (n_blocks + part_blocks - 1) // part_blocks))
+
+
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
     init, step, finish, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     G = Hq // Hkv
-    part_blocks = max(1, PART_ROWS // bs)
 
     @T.macro
     def merge(out, acc_p, st_p, parts):
@@ -282,8 +295,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
         for b in range(n_blocks):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
         if context_len * Hq * D >= PARALLEL_MIN_WORK:
-            parts = T.min(T.min(T.int64(MAX_PARTS), n_blocks),
-                          T.max(T.int64(2), (n_blocks + part_blocks - 1) // part_blocks))
+            parts = split_parts(n_blocks, bs, T.min, T.max, T.int64)
             acc_p = T.decl_buffer((MAX_PARTS, Hkv) + acc_shape, "float32")
             st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
             r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
