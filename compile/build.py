@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 EXEC_MODE = "compiled"
 
 
-def make_spec(cfg: ModelConfig, *, block_size: int = 16, max_blocks_cap: int | None = None,
+def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None = None,
               max_context: int | None = None, cache_dtype: str = "float32",
               weight_dtype: str = "float32") -> BuildSpec:
-    """Validate the cache options; ``max_context`` rounds up to whole blocks."""
+    """Validate the cache options; ``max_context`` rounds up to whole blocks.  ``block_size``
+    has no default here: the target's (``TargetSpec.default_block_size``) is applied by
+    ``api.prepare`` / ``api.key_of``."""
     if not isinstance(block_size, int) or block_size < 1 or block_size > 1024:
         raise ConfigError(f"block_size={block_size!r}: must be an integer in [1, 1024]")
     if (max_blocks_cap is None) == (max_context is None):

@@ -163,7 +163,7 @@ def test_a_context_beyond_the_trained_positions_warns():
 
     cfg = config.preset("llama-160m")
     lim = cfg.max_position_embeddings
-    spec = lambda **kw: make_spec(cfg, **kw)  # noqa: E731
+    spec = lambda **kw: make_spec(cfg, **{"block_size": 16, **kw})  # noqa: E731
     assert context_warning(spec(max_context=lim)) is None
     assert context_warning(spec(max_blocks_cap=lim // 16), by_blocks=True) is None
     msg = context_warning(spec(max_context=lim + 1))  # rounded up to whole blocks
