@@ -141,15 +141,19 @@ def key_of(model: str | None = None, *, target: str | None = None,
     """The artifact key fields and digest, without compiling."""
     source = resolve_model(model)
     tspec = resolve_target(target)
-    bs = tspec.default_block_size if block_size is None else block_size
-    spec = _spec(source, bs, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    spec = _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype,
+                 weight_dtype)
     m = manifest_for(spec, tspec)
     return {"digest": m["digest"], "key": m["key"]}
 
 
-def _spec(source, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype):
+def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype):
+    """The build spec, with the defaults that depend on the model (context) and the target
+    (``block_size`` None: ``tspec.default_block_size``)."""
     if max_context is None and max_blocks_cap is None:
         max_context = min(source.config.max_position_embeddings, 2048)
+    if block_size is None:
+        block_size = tspec.default_block_size
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
 
@@ -189,8 +193,8 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     say = progress or (lambda _msg: None)
     source = resolve_model(model)
     tspec = resolve_target(target)
-    bs = tspec.default_block_size if block_size is None else block_size
-    spec = _spec(source, bs, max_context, max_blocks_cap, cache_dtype, weight_dtype)
+    spec = _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype,
+                 weight_dtype)
     warning = context_warning(spec, by_blocks=max_blocks_cap is not None)
     if warning and progress is not None:
         say(f"warning: {warning}")

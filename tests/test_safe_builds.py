@@ -119,8 +119,9 @@ def _spec_and_target():
     from paged_decode.compile.targets import resolve_target
     from paged_decode.compile.weights import resolve_model
 
-    return api._spec(resolve_model("tiny"), OPTS["block_size"], OPTS["max_context"], None,
-                     "float32", "float32"), resolve_target(None)
+    tspec = resolve_target(None)
+    return api._spec(resolve_model("tiny"), tspec, OPTS["block_size"], OPTS["max_context"], None,
+                     "float32", "float32"), tspec
 
 
 def test_sweep_keeps_live_builders_and_foreign_names(tmp_path):
