@@ -245,8 +245,18 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                         acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
                             "float32", v_pool[block(bt, b), kvh, t, d])
 
-    return (init, (step_one if G == 1 else step), finish,
-            ((G, D), (4, G), (G * bs, DV), (bs, G)))
+    block_step = step_one if G == 1 else step
+
+    @T.macro
+    def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, st, R, s):
+        """Every block of a ``ctx``-row context for kv head ``kvh``'s query heads (query row
+        ``row``), one after the other, into ``out``; scratch as for the block step."""
+        init(acc, st)
+        for b in range((ctx + bs - 1) // bs):
+            block_step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s)
+        finish(out, row, kvh, acc, st)
+
+    return init, block_step, attend, ((G, D), (4, G), (G * bs, DV), (bs, G))
 
 
 def split_parts(n_blocks, bs, lo=min, hi=max, const=int):
@@ -262,7 +272,7 @@ def split_parts(n_blocks, bs, lo=min, hi=max, const=int):
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    init, step, finish, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    init, step, attend, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     G = Hq // Hkv
 
@@ -317,10 +327,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             r = T.decl_buffer(r_shape, "float32")
             scores = scratch_buffer(s_shape)
             for kvh in range(Hkv):
-                init(acc, st)
-                for b in range(n_blocks):
-                    step(q, k_pool, v_pool, bt, 0, kvh, b, context_len, acc, st, r, scores)
-                finish(out, 0, kvh, acc, st)
+                attend(q, k_pool, v_pool, bt, out, 0, kvh, context_len, acc, st, r, scores)
 
     return body
 
@@ -364,7 +371,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 @cached
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    init, step, finish, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    _, _, attend, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     n = token_dim(None)
@@ -385,10 +392,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
                 st = scratch_buffer(st_shape)
                 r = scratch_buffer(r_shape)
                 scores = scratch_buffer(s_shape)
-                init(acc, st)
-                for b in range((start_pos + ik // Hkv + bs) // bs):
-                    step(q, k_pool, v_pool, bt, ik // Hkv, ik % Hkv, b, start_pos + ik // Hkv + 1,
-                         acc, st, r, scores)
-                finish(out, ik // Hkv, ik % Hkv, acc, st)
+                attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1,
+                       acc, st, r, scores)
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
