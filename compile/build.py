@@ -83,6 +83,7 @@ def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "package_version": PACKAGE_VERSION,
         "abi_version": ABI_VERSION,
         "compiler": compiler_fingerprint(),
+        "k_block_layout": kernels_for(target.kind).k_block_layout,
     }
 
 
@@ -102,6 +103,7 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "max_blocks_cap": spec.max_blocks_cap, "block_size": spec.block_size,
         "cache_dtype": spec.cache_dtype, "weight_dtype": spec.weight_dtype,
+        "k_block_layout": fields["k_block_layout"],
         "params": [[s.name, list(s.shape), s.dtype] for s in param_specs(cfg, spec.weight_dtype)],
         "functions": (["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
                       else ["decode", "decode_dev", "prefill", "_metadata"]),

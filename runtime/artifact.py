@@ -142,6 +142,11 @@ class Artifact:
         """Tokens one sequence can hold: ``max_blocks_cap * block_size``."""
         return self.max_blocks_cap * self.block_size
 
+    @property
+    def k_block_layout(self) -> str:
+        """How this artifact's kernels store a K block (see ``kv_pool.k_rows``)."""
+        return self.manifest["k_block_layout"]
+
 
 def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) -> Artifact:
     """Verify and load ``path`` (a folder with manifest.json and the library)."""

@@ -4,7 +4,10 @@ Layout: ``2 * n_layers`` tensors of shape ``(num_blocks, n_kv_heads, block_size,
 dtype ``cache_dtype``, ordered ``(k0, v0, k1, v1, ...)``, allocated once per pool.  A sequence
 (:class:`SessionHandle`) owns a list of physical block ids; its logical position ``pos`` lives in
 block ``blocks[pos // block_size]`` at slot ``pos % block_size``, i.e. at the flattened row
-``write_offset(pos) = physical_block * block_size + slot``.
+``write_offset(pos) = physical_block * block_size + slot``.  Inside a V block a kv head's rows
+are ``[slot, dim]``; a K block is stored as the artifact's manifest says (``k_block_layout``:
+the CPU kernels store ``[dim, slot]``, the GPU kernels ``[slot, dim]``); :func:`k_rows` reads
+either as rows.
 
 Write protocol (the session layer must follow it):
 
@@ -48,6 +51,21 @@ _ID_LOCK = threading.Lock()
 def _mint(counter: itertools.count) -> int:
     with _ID_LOCK:
         return next(counter)
+
+
+K_BLOCK_LAYOUTS = ("slot-major", "dim-major")
+
+
+def k_rows(k: np.ndarray, layout: str) -> np.ndarray:
+    """A K pool tensor's contents (``(num_blocks, n_kv_heads, block_size, head_dim)``, as
+    allocated) viewed as ``[block, kv_head, slot, dim]`` rows, for the K block layout ``layout``
+    (an artifact's ``manifest["k_block_layout"]``)."""
+    if layout == "slot-major":
+        return k
+    if layout == "dim-major":
+        blocks, heads, bs, dim = k.shape
+        return k.reshape(blocks, heads, dim, bs).swapaxes(2, 3)
+    raise ConfigError(f"k_block_layout={layout!r}: known layouts are {list(K_BLOCK_LAYOUTS)}")
 
 
 class PoolConfigError(ConfigError, InputError):

@@ -2,7 +2,7 @@
 
 PACKAGE_VERSION = "0.1.0"
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
-ABI_VERSION = 3
+ABI_VERSION = 4  # 4: CPU kernels store K blocks dim-major (manifest k_block_layout)
 MANIFEST_FORMAT = 1
 WEIGHTS_FORMAT = 2  # 2: gate / up rows interleaved in runs of 16
 

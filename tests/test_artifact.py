@@ -11,6 +11,7 @@ import pytest
 from paged_decode.compile import api, build
 from paged_decode.compile.build import key_fields, make_spec, manifest_for
 from paged_decode.compile.config import preset
+from paged_decode.compile.kernels.common import K_BLOCK_LAYOUT
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.artifact import load_artifact
@@ -55,8 +56,13 @@ def test_fields_cover_the_documented_key():
                         resolve_target(None))
     assert set(fields) == {"model", "max_blocks_cap", "block_size", "cache_dtype",
                            "weight_dtype", "target", "exec_mode", "tvm_version",
-                           "package_version", "abi_version", "compiler"}
+                           "package_version", "abi_version", "compiler", "k_block_layout"}
     assert "mcpu" in fields["target"]
+    # the CPU kernels store K blocks [dim, slot], the GPU kernels [slot, dim]
+    assert fields["k_block_layout"] == K_BLOCK_LAYOUT == "dim-major"
+    gpu = key_fields(make_spec(preset("tiny"), block_size=4, max_blocks_cap=8),
+                     resolve_target("cuda"))
+    assert gpu["k_block_layout"] == "slot-major"
 
 
 def test_weight_values_do_not_change_the_digest_but_change_shape_key(llama_ckpt, tmp_path):

@@ -11,11 +11,13 @@ import tvm
 from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_ROWS,
                                                     paged_attention_decode,
                                                     paged_attention_prefill, split_parts)
+from paged_decode.compile.kernels.common import K_BLOCK_LAYOUT
 from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
 from paged_decode.compile.kernels.linear import linear, linear_swiglu
 from paged_decode.compile.kernels.norm import embedding, rmsnorm
 from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
 from paged_decode.compile.targets import resolve_target
+from paged_decode.runtime.kv_pool import k_rows
 
 from .conftest import TOL
 
@@ -34,9 +36,15 @@ def _t(a):
 
 
 def slots(pool):
-    """A pool ``(blocks, Hkv, block_size, D)`` viewed as ``(blocks, block_size, Hkv, D)``: index
-    ``[block, slot]`` for one position's K or V heads."""
+    """A V pool ``(blocks, Hkv, block_size, D)`` viewed as ``(blocks, block_size, Hkv, D)``:
+    index ``[block, slot]`` for one position's heads."""
     return pool.transpose(0, 2, 1, 3)
+
+
+def k_slots(pool):
+    """``slots`` of a K pool as the CPU kernels store it (``K_BLOCK_LAYOUT``, read through the
+    runtime's ``k_rows``): a writable view."""
+    return slots(k_rows(pool, K_BLOCK_LAYOUT))
 
 
 def ref_attention(q, k_pool, v_pool, table, ctx):
@@ -44,7 +52,7 @@ def ref_attention(q, k_pool, v_pool, table, ctx):
     arguments: pools ``(blocks, Hkv, block_size, D)``)."""
     hq, (_, hkv, bs, d) = q.shape[0], k_pool.shape
     pos = np.arange(ctx)
-    k = slots(k_pool)[table[pos // bs], pos % bs].astype(np.float64)  # (ctx, Hkv, D)
+    k = k_slots(k_pool)[table[pos // bs], pos % bs].astype(np.float64)  # (ctx, Hkv, D)
     v = slots(v_pool)[table[pos // bs], pos % bs].astype(np.float64)
     out = np.empty((hq, d))
     for h in range(hq):
@@ -101,7 +109,7 @@ def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
     for ctx in (1, bs - 1, bs, bs + 1, 3 * bs + 5, cap * bs):
         kc, vc = k.copy(), v.copy()
         pos = np.arange(ctx, cap * bs)
-        slots(kc)[table[0, pos // bs], pos % bs] = np.inf
+        k_slots(kc)[table[0, pos // bs], pos % bs] = np.inf
         slots(vc)[table[0, pos // bs], pos % bs] = np.nan
         q = rng.standard_normal((2, hq * d)).astype(np.float32)
         out = _t(np.zeros((1, hq * d), np.float32))
@@ -140,7 +148,7 @@ def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d, bs):
     for ctx in ctxs:
         kc, vc = k.copy(), v.copy()
         pos = np.arange(ctx, cap * bs)
-        slots(kc)[table[0, pos // bs], pos % bs] = np.inf
+        k_slots(kc)[table[0, pos // bs], pos % bs] = np.inf
         slots(vc)[table[0, pos // bs], pos % bs] = np.nan
         q = 2 * rng.standard_normal((1, hq * d)).astype(np.float32)  # peaked softmax too
         out = _t(np.zeros((1, hq * d), np.float32))
@@ -206,7 +214,7 @@ def test_kv_write_lands_exactly_at_offset(pools, ctx):
     kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((1, HQ * D), np.float32))
     _compiled(rope_kv_write_decode, HQ, HKV, D, BS, CAP, cdt)(
         _t(qkv), kt, vt, _t(inv_freq), _t(table), off, ctx, q_rot)
-    k2, v2 = slots(kt.numpy()), slots(vt.numpy())
+    k2, v2 = k_slots(kt.numpy()), slots(vt.numpy())
     blk, slot = divmod(off, BS)
     tol = TOL[cdt]
     np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[0, HQ * D:(HQ + HKV) * D], pos, inv_freq),
@@ -217,7 +225,7 @@ def test_kv_write_lands_exactly_at_offset(pools, ctx):
                                atol=TOL["float32"], rtol=0)
     untouched = np.ones((NB, BS), bool)
     untouched[blk, slot] = False
-    assert k2[untouched].tobytes() == slots(k)[untouched].tobytes()
+    assert k2[untouched].tobytes() == k_slots(k)[untouched].tobytes()
     assert v2[untouched].tobytes() == slots(v)[untouched].tobytes()
 
 
@@ -247,14 +255,14 @@ def test_kv_write_prefill_through_table(pools):
     kt, vt, q_rot = _t(k), _t(v), _t(np.zeros((n, HQ * D), np.float32))
     _compiled(rope_kv_write_prefill, HQ, HKV, D, BS, CAP, cdt)(
         _t(qkv), kt, vt, _t(inv_freq), _t(table), start, q_rot)
-    k2 = slots(kt.numpy())
+    k2 = k_slots(kt.numpy())
     touched = np.zeros((NB, BS), bool)
     for i in range(n):
         blk, slot = table[0, (start + i) // BS], (start + i) % BS
         touched[blk, slot] = True
         np.testing.assert_allclose(k2[blk, slot], ref_rope(qkv[i, HQ * D:(HQ + HKV) * D], start + i,
                                                            inv_freq), atol=TOL[cdt], rtol=TOL[cdt])
-    assert k2[~touched].tobytes() == slots(k)[~touched].tobytes()
+    assert k2[~touched].tobytes() == k_slots(k)[~touched].tobytes()
 
 
 def _ref_norm(x, g, eps=1e-5):

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from paged_decode.runtime.errors import (
     CapacityError, ConfigError, HandleError, InputError, OutOfBlocksError,
 )
-from paged_decode.runtime.kv_pool import BlockAllocator, PagedKVCache, PoolConfigError
+from paged_decode.runtime.kv_pool import BlockAllocator, PagedKVCache, PoolConfigError, k_rows
 
 BS = 4  # block_size of the small pools
 
@@ -557,3 +557,18 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_k_rows_reads_each_k_block_layout_as_rows():
+    """``k_rows`` turns a K pool's contents, stored ``[dim, slot]`` per block ("dim-major", the
+    CPU kernels) or ``[slot, dim]`` ("slot-major"), into ``[block, kv_head, slot, dim]`` rows:
+    a view (writes go through), and an unknown layout is a ConfigError naming the known ones."""
+    blocks, heads, bs, dim = 3, 2, 4, 5
+    rows = np.arange(blocks * heads * bs * dim, dtype=np.float32).reshape(blocks, heads, bs, dim)
+    stored = np.ascontiguousarray(rows.swapaxes(2, 3)).reshape(rows.shape)  # as the CPU writes
+    np.testing.assert_array_equal(k_rows(stored, "dim-major"), rows)
+    assert k_rows(rows, "slot-major") is rows
+    k_rows(stored, "dim-major")[2, 1, 3] = -1  # block 2, head 1, slot 3
+    assert (stored.reshape(blocks, heads, dim, bs)[2, 1, :, 3] == -1).all()
+    with pytest.raises(ConfigError, match="slot-major"):
+        k_rows(stored, "dim-minor")

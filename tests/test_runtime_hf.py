@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from paged_decode.compile.baselines import hf_forward
+from paged_decode.runtime.kv_pool import k_rows
 from paged_decode.runtime.session import PagedDecodeSession
 
-from .conftest import LOGIT_TOL, _randomize, _save, make_pool
+from .conftest import LOGIT_TOL, TOL, _randomize, _save, make_pool
 
 PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
 STEPS = 48
@@ -86,3 +87,36 @@ def test_f16_weights_track_f32(load, llama_ckpt):
     l32, _ = run_ours(a32, w32, PROMPT, 8)
     l16, _ = run_ours(a16, w16, PROMPT, 8)
     np.testing.assert_allclose(l16[0], l32[0], atol=LOGIT_TOL["float16"], rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, None])  # None: the CPU's default (32)
+def test_pool_holds_hf_keys_and_values(load, llama_ckpt, block_size):
+    """After a prefill and three decode steps, each position's K and V in the pool, read as rows
+    through the artifact's ``k_block_layout`` (``kv_pool.k_rows``), are HF's cached keys (RoPE
+    applied) and values for that position: the layout the manifest states is the one the kernels
+    write."""
+    from transformers import AutoModelForCausalLM
+
+    artifact, weights = load(llama_ckpt.path, block_size=block_size, max_context=64)
+    pool = make_pool(artifact, 40)
+    pool.new_sequence().reserve(6)  # another sequence owns the first blocks
+    session = PagedDecodeSession(artifact, weights, pool)
+    handle = pool.new_sequence()
+    tokens = PROMPT + [7, 19, 3]
+    session.prefill(handle, PROMPT)
+    for tok in tokens[len(PROMPT):]:
+        session.realize_token(handle, tok)
+    model = AutoModelForCausalLM.from_pretrained(llama_ckpt.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        _, past = hf_forward(model, torch.tensor([tokens]))
+    bs = artifact.block_size
+    offs = [handle.write_offset(p) for p in range(len(tokens))]
+    for layer in range(artifact.manifest["n_layers"]):
+        k = k_rows(pool.pools[2 * layer].numpy(), artifact.k_block_layout)
+        v = pool.pools[2 * layer + 1].numpy()
+        ours_k = np.stack([k[o // bs, :, o % bs] for o in offs], 1)  # (Hkv, positions, D)
+        ours_v = np.stack([v[o // bs, :, o % bs] for o in offs], 1)
+        np.testing.assert_allclose(ours_k, past.layers[layer].keys[0].numpy(),
+                                   atol=TOL["float32"], rtol=TOL["float32"])
+        np.testing.assert_allclose(ours_v, past.layers[layer].values[0].numpy(),
+                                   atol=TOL["float32"], rtol=TOL["float32"])

@@ -8,17 +8,18 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   decode_dev: context_len as a (1,) int64 buffer (``paged_attention_decode_dev``)
   prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
   -> out (n, Hq D) float32
-The ``group`` query heads of one kv head share every K/V row load.  Decode splits a long
+The ``group`` query heads of one kv head share every K/V load.  Decode splits a long
 context's blocks among the parallel lanes, each lane taking every head of a block before the
 next block, and merges the lanes' softmax states (see ``PART_ROWS``); prefill splits by (query
-row, kv head).  A block holds each kv head's rows contiguously (``[block, kv_head, slot, dim]``,
-a block's heads one after the other), so a block of one head is one ``block_size x D`` run and a
+row, kv head).  A block holds each kv head's rows contiguously (``[block, kv_head, ...]``, a
+block's heads one after the other), so a block of one head is one ``block_size x D`` run and a
 block of all heads one run of Hkv times that, whatever block the table points at: with the
 ``[block, slot, kv_head, dim]`` order, a head's rows were strided and a scattered table broke
 the prefetcher's stride at every block (attention 1.6x slower than on an identity table).
-Scores are computed a block at a time into a (block_size, group) scratch, each K row read once
-for up to ``QK_HEADS`` query heads and their lane sums for all rows of the block taken together;
-the running max / sum update is vectorised over the group's heads (exp over the block when the
+Within its run a V block is ``[slot, dim]`` and a K block ``[dim, slot]`` (``K_BLOCK_LAYOUT``,
+written so by ``rope_kv``): a block's scores are then vector multiply-adds over its slots, one
+dim (one q element per head) at a time, with no horizontal sum per row (``scores``).  The
+running max / sum update is vectorised over the group's heads (over the block's rows when the
 group is one head), and each V row is read once per ``SV_HEADS`` heads; no scratch grows with
 the context.
 """
@@ -30,23 +31,30 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import (CACHE_LINE, STACK_BYTES, cached, dtype_tag, finalize, lane_slice,
-                     lane_sum_macro, pick_tile, prefetch_l2, scratch_buffer)
+from .common import (CACHE_LINE, STACK_BYTES, cached, dtype_tag, finalize, k_block_view,
+                     lane_slice, pick_tile, prefetch_l2, scratch_buffer)
 from .fastmath import fexp
 from .linear import token_dim
 
 
 PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially
-# With several query heads per kv head the kernel is instruction bound (TinyLlama, 8 per kv head:
-# 8 GB/s from DRAM at context 1024).  Reading each K / V row once per query head (converting f16
-# each time) and adding into a (G, D) accumulator in memory row by row cost most of it; now a K
-# row serves up to QK_HEADS heads and a V row up to SV_HEADS, their sums in small stack scratch
-# that LLVM can keep in registers (3 heads x 4 vectors at head_dim 64 fit AVX-512's 32), and the
-# softmax update runs across the group's heads as one vector: 0.82 (f16) / 0.84 (f32) of the
-# time at TinyLlama's shape (K per 8 heads, V per 2), 0.95-0.99 at SmolLM2's (3 per kv head).
-# One query head per kv head keeps its own block step (``step_one``): the grouped one ran 1.12x
-# slower there with f16.
-QK_HEADS, SV_HEADS = 8, 3
+# A block's scores: K stored [dim, slot] (``K_BLOCK_LAYOUT``) turns q.K into, for each dim, one
+# q element times a vector of the block's slots, accumulated for GQ query heads at a time (as
+# many as keep GQ x block_size <= SCORE_FLOATS partial scores in registers) in KP partial sums
+# (enough for SCORE_CHAINS independent vector chains).  With K stored [slot, dim], each row's
+# dot product ended in a horizontal sum, and one core computed attention from L2 at about 30
+# cycles per K / V row.  Against that (one thread, from cache, 32-token blocks): the 160M shape
+# at context 256 1.42x faster with a float16 cache and 1.11x with float32; TinyLlama's (8 query
+# heads per kv head) at context 1024 1.31x with float16; prefill attention of 512 tokens
+# 1.2-1.27x.  Reading from DRAM on both cores it gained less (the 160M shape, float16, context
+# 1024: 1.04-1.05x at a 74 GB/s streaming read), where the read, not the arithmetic, bounds it.
+# With 8 query heads per kv head the kernel stays bound by its multiply-adds (two per K / V
+# element per head); converting the block's float16 K and V to float32 once into scratch, for
+# every head group to read, ran no faster and was not kept.  A V row is read once per SV_HEADS
+# heads, their sums in stack scratch that LLVM keeps in registers (3 heads x 8 vectors at
+# head_dim 64).
+SV_HEADS = 3
+SCORE_FLOATS, SCORE_CHAINS = 128, 8
 # Decode over a context of several blocks splits the blocks, not the heads, among the parallel
 # lanes (``split_parts``: parts of whole blocks, at most about PART_ROWS rows each, at least two,
 # at most MAX_PARTS; with parts counted in blocks, 128-token blocks ran a 1024-token context on
@@ -72,30 +80,40 @@ PART_ROWS, MAX_PARTS = 128, 16
 # future block that paid off when a lane read 4 KiB runs (1.6-1.8x) made the whole step 1.018x
 # slower (it prefetches within the run instead, float32 only: ``ROW_PREFETCH_BYTES``).
 PREFETCH_BLOCKS = 2
-# One query head per kv head, float32 cache: each K / V row step also prefetches the row this
-# many bytes ahead into L2 (the GEMVs' software prefetch, at a shorter distance).  Attention alone
-# at the 160M shape, context 1024, 32-token blocks, against none: an identity table 1.13-1.2x
-# faster, a scattered one 1.05-1.15x, with the machine's read at 37-92 GB/s (the whole step 0.975
-# of its time on either); 3 KiB ahead gained as much except at 92 GB/s (1.03), 6 KiB less.  A
-# float16 cache is compute bound (converting costs more than the read at the machine's fast
-# rate) and ran 1.2-1.7x slower with it.  Prefill and the short-context path run the same step
-# head by head, where a prefetch past a block's last row fetches the next head's rows early;
-# they were not measured with it.
+# One query head per kv head, float32 cache: reading a head's K (one dim of the block at a time)
+# or V (one row at a time) also prefetches this many bytes ahead in the run into L2 (the GEMVs'
+# software prefetch, at a shorter distance).  Measured with K rows read row by row, attention
+# alone at the 160M shape, context 1024, 32-token blocks, against none: an identity table
+# 1.13-1.2x faster, a scattered one 1.05-1.15x, with the machine's read at 37-92 GB/s (the whole
+# step 0.975 of its time on either); 3 KiB ahead gained as much except at 92 GB/s (1.03), 6 KiB
+# less.  A float16 cache ran 1.2-1.7x slower with it.  Prefill and the short-context path run
+# the same step head by head, where a prefetch past a head's run fetches the next head's early.
 ROW_PREFETCH_BYTES = 1536
+
+
+def cvt_width(n: int, cdt: str) -> int:
+    """Lanes per vector that reads ``cdt`` as float32: 8 for float16 (``vcvtph2ps`` into a
+    256-bit register converts twice as many elements per cycle as into a 512-bit one on Zen 4:
+    K / V reads from L2 ran 1.1x faster), 16 for float32; the largest that divides ``n``."""
+    return pick_tile(n, (8, 4, 2, 1) if cdt == "float16" else (16, 8, 4, 2, 1))
 
 
 def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     """Attention of the ``group`` query heads sharing kv head ``kvh``: each block's K/V rows come
     from memory once for the whole group (re-read from L1 per GQ / GV heads)."""
     G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
-    DV = pick_tile(D, (16, 8, 4, 2, 1))
-    lane_sum = lane_sum_macro(DV)
+    DV = cvt_width(D, cdt)
+    CW = cvt_width(bs, cdt)  # rows per vector of scores
     per_line = CACHE_LINE // {"float32": 4, "float16": 2}[cdt]  # elements per cache line
-    ahead = -(-ROW_PREFETCH_BYTES // (D * 4)) if cdt == "float32" else 0  # rows; see there
-    # Query heads whose q.K partials (GQ x DV) / s.V sums (GV x D) accumulate in stack scratch
-    # (under STACK_BYTES) while one K / V row is read; with head_dim >= 256 not even one head's
+    ahead = ROW_PREFETCH_BYTES // 4 if cdt == "float32" else 0  # elements; see there
+    # Query heads whose scores (GQ x bs, KP partial sums each) accumulate in registers while
+    # one K column of the block is read; KP partial sums per score give at least SCORE_CHAINS
+    # independent vector chains.  The s.V sums (GV x D) of GV heads accumulate in stack scratch
+    # (under STACK_BYTES) while one V row is read; with head_dim >= 256 not even one head's
     # s.V sums fit, and they go straight into ``acc``.
-    GQ = max(d for d in range(1, QK_HEADS + 1) if G % d == 0)
+    GQ = max(d for d in range(1, G + 1) if G % d == 0 and (d == 1 or d * bs <= SCORE_FLOATS))
+    KP = max(d for d in (1, 2, 4) if D % d == 0
+             and (d == 1 or (d // 2) * GQ * bs < SCORE_CHAINS * CW))
     GV = max(d for d in range(1, SV_HEADS + 1)
              if G % d == 0 and (d == 1 or d * D * 4 < STACK_BYTES))
     v_scratch = GV * D * 4 < STACK_BYTES
@@ -129,79 +147,108 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
 
     @T.macro
-    def prefetch_row(pool, bt, kvh, b, t):
-        """Prefetch (float32) the row ``ahead`` rows past row ``t`` of kv head ``kvh`` in table
-        entry ``b``: past the head's rows it is the next head's, past the block another block
-        (unused where the table scatters, and never a fault)."""
+    def prefetch_run(pool, bt, kvh, b, o, n):
+        """Prefetch (float32) the ``n`` elements ``ahead`` past element ``o`` of kv head
+        ``kvh``'s run in table entry ``b``: past the head's run it is the next head's, past the
+        block another block (unused where the table scatters, and never a fault)."""
         if ahead > 0:
             flat = T.decl_buffer((1 << 62,), cdt, data=pool.data)
-            for line in T.unroll(-(-D // per_line)):
+            for line in T.unroll(-(-n // per_line)):
                 prefetch_l2(T.address_of(
-                    flat[((block(bt, b) * Hkv + kvh) * bs + t + ahead) * D + line * per_line]))
+                    flat[(block(bt, b) * Hkv + kvh) * bs * D + o + ahead + line * per_line]))
+
+    def fold(R, gi, t):  # the KP partial sums of one score (an expression)
+        total = R[0, gi, t]
+        for kp in range(1, KP):
+            total = total + R[kp, gi, t]
+        return total
+
+    @T.macro
+    def scores(q, k_pool, bt, row, kvh, g0, b, ctx, R, s):
+        """s[t, g0 + gi] = scale * q_h . K row t of block ``b``, for the GQ heads h = kvh G + g0
+        + gi, rows past the context -3e38: the block's K columns (one dim of every row) times
+        one q element each, KP partial sums per score in ``R`` (KP, GQ, bs)."""
+        kt = k_block_view(k_pool, Hkv, D, bs)
+        for kp, gi, tc in T.grid(KP, GQ, bs // CW):
+            for v in T.vectorized(CW):
+                R[kp, gi, tc * CW + v] = T.float32(0)
+        for dd in range(D // KP):
+            if G == 1:  # the grouped step prefetches whole blocks ahead instead
+                prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, KP * bs)
+            for kp in T.unroll(KP):
+                for tc in T.unroll(bs // CW):
+                    for gi in T.unroll(GQ):
+                        for v in T.vectorized(CW):
+                            R[kp, gi, tc * CW + v] = R[kp, gi, tc * CW + v] + q[
+                                row, (kvh * G + g0 + gi) * D + dd * KP + kp] * T.Cast(
+                                "float32", kt[block(bt, b), kvh, dd * KP + kp, tc * CW + v])
+        for gi, tc in T.grid(GQ, bs // CW):
+            for v in T.vectorized(CW):
+                s[tc * CW + v, g0 + gi] = T.Select(
+                    T.Cast("int64", tc * CW + v) < ctx - b * bs,
+                    fold(R, gi, tc * CW + v) * T.float32(scale), T.float32(-3.0e38))
+
+    @T.macro
+    def sv_rows(v_pool, bt, kvh, b, ctx, s, a):
+        """a[0, :] += s[t, 0] V[t, :] over the block's rows in the context."""
+        for t in range(T.min(bs, ctx - b * bs)):
+            prefetch_run(v_pool, bt, kvh, b, t * D, D)
+            for do in T.unroll(D // DV):
+                for v in T.vectorized(DV):
+                    a[0, do * DV + v] = a[0, do * DV + v] + s[t, 0] * T.Cast(
+                        "float32", v_pool[block(bt, b), kvh, t, do * DV + v])
 
     @T.macro
     def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
         """Block ``b`` of the table for one query head per kv head: ``acc`` (1, D), ``st``
-        (4, 1) the running state, ``R`` (bs, DV) and ``s`` (bs, 1) scratch."""
-        for t in range(bs):
-            s[t, 0] = T.float32(-3.0e38)
-        for t in range(T.min(bs, ctx - b * bs)):  # q.K for the block's rows
-            prefetch_row(k_pool, bt, kvh, b, t)
-            for v in T.vectorized(DV):
-                R[t, v] = T.float32(0)
-            for do in range(D // DV):
-                for v in T.vectorized(DV):
-                    R[t, v] = R[t, v] + q[row, kvh * D + do * DV + v] * T.Cast(
-                        "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
-        for t in range(T.min(bs, ctx - b * bs)):  # reduced together (no serial chain)
-            lane_sum(R, t)
-            s[t, 0] = R[t, 0] * T.float32(scale)
-        st[2, 0] = s[0, 0]
-        for t in range(1, bs):
-            st[2, 0] = T.max(st[2, 0], s[t, 0])
+        (4, 1) the running state, ``R`` (KP, 1, bs) and ``s`` (bs, 1) scratch."""
+        scores(q, k_pool, bt, row, kvh, 0, b, ctx, R, s)
+        m = scratch_buffer((2, CW))  # lane-wise max, then sum, of the block's scores
+        for v in T.vectorized(CW):
+            m[0, v] = s[v, 0]
+        for tc in range(1, bs // CW):
+            for v in T.vectorized(CW):
+                m[0, v] = T.max(m[0, v], s[tc * CW + v, 0])
+        st[2, 0] = m[0, 0]
+        for v in range(1, CW):
+            st[2, 0] = T.max(st[2, 0], m[0, v])
         st[3, 0] = fexp(st[0, 0] - T.max(st[0, 0], st[2, 0]))
         st[0, 0] = T.max(st[0, 0], st[2, 0])
+        for v in T.vectorized(CW):
+            m[1, v] = T.float32(0)
+        for tc in range(bs // CW):
+            for v in T.vectorized(CW):  # rows past the context stay out of the sum
+                s[tc * CW + v, 0] = T.Select(T.Cast("int64", tc * CW + v) < ctx - b * bs,
+                                             fexp(s[tc * CW + v, 0] - st[0, 0]), T.float32(0))
+                m[1, v] = m[1, v] + s[tc * CW + v, 0]
         st[1, 0] = st[1, 0] * st[3, 0]
-        for d in T.vectorized(D):
-            acc[0, d] = acc[0, d] * st[3, 0]
-        for t in T.vectorized(bs):
-            s[t, 0] = fexp(s[t, 0] - st[0, 0])
-        for t in range(T.min(bs, ctx - b * bs)):
-            prefetch_row(v_pool, bt, kvh, b, t)
-            st[1, 0] = st[1, 0] + s[t, 0]
+        for v in range(CW):
+            st[1, 0] = st[1, 0] + m[1, v]
+        if v_scratch:  # s . V of the block into ``a``, then acc = acc * rescale + a
+            a = scratch_buffer((1, D))
+            for do in range(D // DV):
+                for v in T.vectorized(DV):
+                    a[0, do * DV + v] = T.float32(0)
+            sv_rows(v_pool, bt, kvh, b, ctx, s, a)
+            for do in range(D // DV):
+                for v in T.vectorized(DV):
+                    acc[0, do * DV + v] = acc[0, do * DV + v] * st[3, 0] + a[0, do * DV + v]
+        else:  # head_dim >= 256: the sums do not fit the stack, straight into acc
             for d in T.vectorized(D):
-                acc[0, d] = acc[0, d] + s[t, 0] * T.Cast("float32", v_pool[block(bt, b), kvh, t, d])
+                acc[0, d] = acc[0, d] * st[3, 0]
+            sv_rows(v_pool, bt, kvh, b, ctx, s, acc)
 
     @T.macro
     def step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
         """Block ``b`` of the table for the ``G`` query heads of kv head ``kvh``: ``acc`` (G, D),
-        ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (G bs, DV) and
+        ``st`` (4, G) the running state (max, sum, block max, rescale), ``R`` (KP, GQ, bs) and
         ``s`` (bs, G) scratch (the block's scores, [row, query head]).  The caller declares the
         scratch once per lane: from 256 scores on (16 query heads per kv head with 16-token
         blocks, 8 with 32-token ones) ``s`` is 1 KiB or more, which TVM heap-allocates at every
         entry of the loop that declares it (once per lane here, per task in prefill)."""
         prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
-        for t, g in T.grid(bs, G):
-            s[t, g] = T.float32(-3.0e38)
-        for t in range(T.min(bs, ctx - b * bs)):  # q.K: each K row read once per GQ heads
-            for gq in range(G // GQ):
-                r = scratch_buffer((GQ, DV))  # in registers: one store per (row, head)
-                for gi in T.unroll(GQ):
-                    for v in T.vectorized(DV):
-                        r[gi, v] = T.float32(0)
-                for do in T.unroll(D // DV):
-                    for gi in T.unroll(GQ):
-                        for v in T.vectorized(DV):
-                            r[gi, v] = r[gi, v] + q[row, (kvh * G + gq * GQ + gi) * D + do * DV
-                                                    + v] * T.Cast(
-                                "float32", k_pool[block(bt, b), kvh, t, do * DV + v])
-                for gi in T.unroll(GQ):
-                    for v in T.vectorized(DV):
-                        R[(gq * GQ + gi) * bs + t, v] = r[gi, v]
-        for g in range(G):  # the rows' lane sums together (no serial chain per row)
-            for t in range(T.min(bs, ctx - b * bs)):
-                lane_sum(R, g * bs + t)
-                s[t, g] = R[g * bs + t, 0] * T.float32(scale)
+        for gq in range(G // GQ):  # q.K: each K column read once per GQ heads
+            scores(q, k_pool, bt, row, kvh, gq * GQ, b, ctx, R, s)
         # the online-softmax update, vectorised over the query heads
         for g in T.vectorized(G):
             st[2, g] = s[0, g]
@@ -221,9 +268,9 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         if v_scratch:
             for gv in range(G // GV):  # s . V, a V row read once per GV heads
                 a = scratch_buffer((GV, D))
-                for gi in T.unroll(GV):
-                    for d in T.vectorized(D):
-                        a[gi, d] = T.float32(0)
+                for gi, do in T.grid(GV, D // DV):
+                    for v in T.vectorized(DV):
+                        a[gi, do * DV + v] = T.float32(0)
                 for t in range(T.min(bs, ctx - b * bs)):
                     for do in T.unroll(D // DV):
                         for gi in T.unroll(GV):
@@ -231,10 +278,11 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                                 a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
                                     T.Cast("float32",
                                            v_pool[block(bt, b), kvh, t, do * DV + v]))
-                for gi in T.unroll(GV):
-                    for d in T.vectorized(D):
-                        acc[gv * GV + gi, d] = (acc[gv * GV + gi, d] * st[3, gv * GV + gi]
-                                                + a[gi, d])
+                for gi, do in T.grid(GV, D // DV):
+                    for v in T.vectorized(DV):
+                        acc[gv * GV + gi, do * DV + v] = (
+                            acc[gv * GV + gi, do * DV + v] * st[3, gv * GV + gi]
+                            + a[gi, do * DV + v])
         else:  # not even one head's sums fit the stack: straight into acc
             for g in range(G):
                 for d in T.vectorized(D):
@@ -256,7 +304,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             block_step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s)
         finish(out, row, kvh, acc, st)
 
-    return init, block_step, attend, ((G, D), (4, G), (G * bs, DV), (bs, G))
+    return init, block_step, attend, ((G, D), (4, G), (KP, GQ, bs), (bs, G))
 
 
 def split_parts(n_blocks, bs, lo=min, hi=max, const=int):

@@ -98,6 +98,19 @@ def scratch_buffer(shape: tuple, dtype: str = "float32"):
     return T.decl_buffer(shape, dtype, scope="local")
 
 
+# How the CPU kernels store one block of one kv head in the K pool: ``[dim, slot]`` (the pool's
+# declared shape stays ``(num_blocks, Hkv, block_size, head_dim)``, and V keeps ``[slot, dim]``).
+# Decode attention then takes a block's scores as plain vector multiply-adds over its slots,
+# one dim at a time, instead of one dot product per row ending in a horizontal sum.  The GPU
+# kernels keep ``[slot, dim]``.  Recorded in the artifact key and manifest as "k_block_layout".
+K_BLOCK_LAYOUT = "dim-major"
+
+
+def k_block_view(k_pool, Hkv: int, D: int, bs: int):
+    """The K pool as the CPU kernels store it: ``[block, kv_head, dim, slot]``."""
+    return T.decl_buffer((k_pool.shape[0], Hkv, D, bs), k_pool.dtype, data=k_pool.data)
+
+
 def lane_slice(whole, lane, shape: tuple):
     """The ``lane``-th ``shape`` slice of ``whole`` (declared once, outside the parallel loop,
     as ``(lanes, *shape)``): per-lane scratch without a heap allocation per loop entry."""

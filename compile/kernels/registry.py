@@ -1,7 +1,8 @@
 """The kernel set a target compiles with: CPU (llvm) or GPU (thread-bound) factories.
 
-Every set offers the same factories with the same signatures and buffer layouts, so the Relax
-graph in ``model.py`` is written once.
+Every set offers the same factories with the same signatures and buffer shapes, so the Relax
+graph in ``model.py`` is written once; how a K block is stored inside its pool tensor is the
+set's ``k_block_layout``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,20 @@ class KernelSet:
     # friendly).  Defaulted so a KernelSet built with the ten factories above still works.
     rope_kv_write_decode_dev: Callable | None = None
     paged_attention_decode_dev: Callable | None = None
+    # How a block of one kv head sits in the K pool (the pool's shape is the same either way):
+    # "slot-major" ``[slot, dim]`` or "dim-major" ``[dim, slot]`` (``common.K_BLOCK_LAYOUT``).
+    k_block_layout: str = "slot-major"
 
 
 def cpu_kernels() -> KernelSet:
     from . import attention, gemv, linear, norm, rope_kv
+    from .common import K_BLOCK_LAYOUT
 
     return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu, linear.linear,
                      linear.linear_swiglu, rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
-                     attention.paged_attention_decode_dev)
+                     attention.paged_attention_decode_dev, K_BLOCK_LAYOUT)
 
 
 # Targets whose device code cannot hold the int64 buffers of the ``*_decode_dev`` kernels

@@ -18,7 +18,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, finalize, scratch_buffer
+from .common import cached, dtype_tag, finalize, k_block_view, scratch_buffer
 from .linear import token_dim
 
 
@@ -41,9 +41,10 @@ def _rope_macro(Hq, Hkv, D, cdt):
         for h, d in T.grid(Hq, half):
             q_rot[i, h * D + d] = rotated(qkv, cs, i, h * D, d)[0]
             q_rot[i, h * D + d + half] = rotated(qkv, cs, i, h * D, d)[1]
+        kt = k_block_view(k_pool, Hkv, D, k_pool.shape[2])  # K stored [dim, slot] per block
         for h, d in T.grid(Hkv, half):
-            k_pool[blk, h, slot, d] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[0])
-            k_pool[blk, h, slot, d + half] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[1])
+            kt[blk, h, d, slot] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[0])
+            kt[blk, h, d + half, slot] = T.Cast(cdt, rotated(qkv, cs, i, (Hq + h) * D, d)[1])
         for h in range(Hkv):
             for d in T.vectorized(D):
                 v_pool[blk, h, slot, d] = T.Cast(cdt, qkv[i, (Hq + Hkv + h) * D + d])
