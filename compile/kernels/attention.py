@@ -157,6 +157,9 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 prefetch_l2(T.address_of(
                     flat[(block(bt, b) * Hkv + kvh) * bs * D + o + ahead + line * per_line]))
 
+    def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx
+        return T.Cast("int64", t) < ctx - b * bs
+
     def fold(R, gi, t):  # the KP partial sums of one score (an expression)
         total = R[0, gi, t]
         for kp in range(1, KP):
@@ -185,18 +188,45 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         for gi, tc in T.grid(GQ, bs // CW):
             for v in T.vectorized(CW):
                 s[tc * CW + v, g0 + gi] = T.Select(
-                    T.Cast("int64", tc * CW + v) < ctx - b * bs,
+                    in_context(tc * CW + v, ctx, b),
                     fold(R, gi, tc * CW + v) * T.float32(scale), T.float32(-3.0e38))
 
     @T.macro
-    def sv_rows(v_pool, bt, kvh, b, ctx, s, a):
-        """a[0, :] += s[t, 0] V[t, :] over the block's rows in the context."""
-        for t in range(T.min(bs, ctx - b * bs)):
-            prefetch_run(v_pool, bt, kvh, b, t * D, D)
-            for do in T.unroll(D // DV):
-                for v in T.vectorized(DV):
-                    a[0, do * DV + v] = a[0, do * DV + v] + s[t, 0] * T.Cast(
-                        "float32", v_pool[block(bt, b), kvh, t, do * DV + v])
+    def sv_update(v_pool, bt, kvh, b, ctx, s, acc, st):
+        """acc[g] = acc[g] * st[3, g] + s[:, g] . V for every query head g of kv head ``kvh``,
+        over block ``b``'s rows in the context: a V row read once per GV heads (one query head
+        per kv head: with the float32 row prefetch)."""
+        if v_scratch:
+            for gv in range(G // GV):
+                a = scratch_buffer((GV, D))
+                for gi, do in T.grid(GV, D // DV):
+                    for v in T.vectorized(DV):
+                        a[gi, do * DV + v] = T.float32(0)
+                for t in range(T.min(bs, ctx - b * bs)):
+                    if G == 1:
+                        prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                    for do in T.unroll(D // DV):
+                        for gi in T.unroll(GV):
+                            for v in T.vectorized(DV):
+                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
+                                    T.Cast("float32",
+                                           v_pool[block(bt, b), kvh, t, do * DV + v]))
+                for gi, do in T.grid(GV, D // DV):
+                    for v in T.vectorized(DV):
+                        acc[gv * GV + gi, do * DV + v] = (
+                            acc[gv * GV + gi, do * DV + v] * st[3, gv * GV + gi]
+                            + a[gi, do * DV + v])
+        else:  # not even one head's sums fit the stack: straight into acc
+            for g in range(G):
+                for d in T.vectorized(D):
+                    acc[g, d] = acc[g, d] * st[3, g]
+            for t in range(T.min(bs, ctx - b * bs)):
+                if G == 1:
+                    prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                for g in range(G):
+                    for d in T.vectorized(D):
+                        acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
+                            "float32", v_pool[block(bt, b), kvh, t, d])
 
     @T.macro
     def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
@@ -218,25 +248,13 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             m[1, v] = T.float32(0)
         for tc in range(bs // CW):
             for v in T.vectorized(CW):  # rows past the context stay out of the sum
-                s[tc * CW + v, 0] = T.Select(T.Cast("int64", tc * CW + v) < ctx - b * bs,
+                s[tc * CW + v, 0] = T.Select(in_context(tc * CW + v, ctx, b),
                                              fexp(s[tc * CW + v, 0] - st[0, 0]), T.float32(0))
                 m[1, v] = m[1, v] + s[tc * CW + v, 0]
         st[1, 0] = st[1, 0] * st[3, 0]
         for v in range(CW):
             st[1, 0] = st[1, 0] + m[1, v]
-        if v_scratch:  # s . V of the block into ``a``, then acc = acc * rescale + a
-            a = scratch_buffer((1, D))
-            for do in range(D // DV):
-                for v in T.vectorized(DV):
-                    a[0, do * DV + v] = T.float32(0)
-            sv_rows(v_pool, bt, kvh, b, ctx, s, a)
-            for do in range(D // DV):
-                for v in T.vectorized(DV):
-                    acc[0, do * DV + v] = acc[0, do * DV + v] * st[3, 0] + a[0, do * DV + v]
-        else:  # head_dim >= 256: the sums do not fit the stack, straight into acc
-            for d in T.vectorized(D):
-                acc[0, d] = acc[0, d] * st[3, 0]
-            sv_rows(v_pool, bt, kvh, b, ctx, s, acc)
+        sv_update(v_pool, bt, kvh, b, ctx, s, acc, st)
 
     @T.macro
     def step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
@@ -265,33 +283,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         for t in range(T.min(bs, ctx - b * bs)):  # rows past the context stay out of it
             for g in T.vectorized(G):
                 st[1, g] = st[1, g] + s[t, g]
-        if v_scratch:
-            for gv in range(G // GV):  # s . V, a V row read once per GV heads
-                a = scratch_buffer((GV, D))
-                for gi, do in T.grid(GV, D // DV):
-                    for v in T.vectorized(DV):
-                        a[gi, do * DV + v] = T.float32(0)
-                for t in range(T.min(bs, ctx - b * bs)):
-                    for do in T.unroll(D // DV):
-                        for gi in T.unroll(GV):
-                            for v in T.vectorized(DV):
-                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
-                                    T.Cast("float32",
-                                           v_pool[block(bt, b), kvh, t, do * DV + v]))
-                for gi, do in T.grid(GV, D // DV):
-                    for v in T.vectorized(DV):
-                        acc[gv * GV + gi, do * DV + v] = (
-                            acc[gv * GV + gi, do * DV + v] * st[3, gv * GV + gi]
-                            + a[gi, do * DV + v])
-        else:  # not even one head's sums fit the stack: straight into acc
-            for g in range(G):
-                for d in T.vectorized(D):
-                    acc[g, d] = acc[g, d] * st[3, g]
-            for t in range(T.min(bs, ctx - b * bs)):
-                for g in range(G):
-                    for d in T.vectorized(D):
-                        acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
-                            "float32", v_pool[block(bt, b), kvh, t, d])
+        sv_update(v_pool, bt, kvh, b, ctx, s, acc, st)
 
     block_step = step_one if G == 1 else step
 
