@@ -43,7 +43,7 @@ def build_options(fn):
         click.option("--target", default=None, help="llvm (host CPU, default), llvm:<mcpu>, "
                      "cuda, vulkan, metal, opencl or webgpu (see README: Targets)"),
         click.option("--block-size", default=None, type=int,
-                     help="tokens per KV-cache block (default: 32 on the CPU, 16 on GPUs)"),
+                     help="tokens per KV-cache block (default: 64 on the CPU, 16 on GPUs)"),
         click.option("--max-context", default=None, type=int,
                      help="tokens per sequence, rounded up to whole blocks (default: the "
                      "model's, at most 2048)"),
@@ -181,7 +181,7 @@ def cache_cmd(artifacts, clear):
               help="rounds of back-to-back measurements, ratios paired per round "
                    "[default: 4, --quick 2]")
 @click.option("--block-size", default=None, type=int,
-              help="KV-cache block size of the artifacts measured (default: the CPU's, 32)")
+              help="KV-cache block size of the artifacts measured (default: the CPU's, 64)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @_clean_errors
 def bench_cmd(models, out, dtypes, quick, rounds, block_size, artifacts):

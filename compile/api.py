@@ -182,7 +182,7 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     """Resolve the model (or take a resolved ``ModelSource``), then build (or reuse) its
     artifact and weight pack.
 
-    ``block_size`` None takes the target's default (``TargetSpec.default_block_size``: 32 on
+    ``block_size`` None takes the target's default (``TargetSpec.default_block_size``: 64 on
     the CPU, 16 on GPUs).
     ``progress`` receives a line before each long step (compile, weight conversion), and a
     ``warning: ...`` line for a capacity above the model's ``max_position_embeddings`` (without

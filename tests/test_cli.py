@@ -29,12 +29,12 @@ def test_compile_then_cache_hit(runner, artifact_root):
 
 
 def test_print_key_compiles_nothing(runner, tmp_path):
-    result = runner.invoke(compile_cmd, ["--model", "tiny", "--max-context", "64", "--print-key",
+    result = runner.invoke(compile_cmd, ["--model", "tiny", "--max-context", "200", "--print-key",
                                          "--artifacts", str(tmp_path)])
     assert result.exit_code == 0, result.output
     key = json.loads(result.output)
-    # no --block-size: the CPU's default, 32 tokens
-    assert key["key"]["block_size"] == 32 and key["key"]["max_blocks_cap"] == 2
+    # no --block-size: the CPU's default, 64 tokens; 200 rounds up to 4 blocks
+    assert key["key"]["block_size"] == 64 and key["key"]["max_blocks_cap"] == 4
     assert len(key["digest"]) == 16
     assert not any(p.name.startswith("tiny") for p in tmp_path.iterdir())
 

@@ -62,7 +62,7 @@ def run_ours(artifact, weights, prompt, steps, num_blocks=40):
 
 
 CASES = [("llama_ckpt", 4, "float32"), ("llama_ckpt", 16, "float32"),
-         ("llama_ckpt", None, "float32"),  # the CPU's default block size (32)
+         ("llama_ckpt", None, "float32"),  # the CPU's default block size (64)
          ("qwen2_ckpt", 4, "float32"), ("llama_tied_ckpt", 4, "float32"),
          ("llama_ckpt", 4, "float16")]
 
@@ -89,7 +89,7 @@ def test_f16_weights_track_f32(load, llama_ckpt):
     np.testing.assert_allclose(l16[0], l32[0], atol=LOGIT_TOL["float16"], rtol=0)
 
 
-@pytest.mark.parametrize("block_size", [4, None])  # None: the CPU's default (32)
+@pytest.mark.parametrize("block_size", [4, None])  # None: the CPU's default (64)
 def test_pool_holds_hf_keys_and_values(load, llama_ckpt, block_size):
     """After a prefill and three decode steps, each position's K and V in the pool, read as rows
     through the artifact's ``k_block_layout`` (``kv_pool.k_rows``), are HF's cached keys (RoPE

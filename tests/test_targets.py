@@ -142,8 +142,8 @@ def test_cuda_arch_enters_key_and_fatbin(build):
 
 
 def test_default_block_size_is_the_targets():
-    """No block size given: 32 tokens on the CPU, 16 on GPUs; one given is kept."""
-    for target, want in ((None, 32), ("llvm", 32), ("cuda", 16), ("vulkan", 16), ("metal", 16)):
+    """No block size given: 64 tokens on the CPU, 16 on GPUs; one given is kept."""
+    for target, want in ((None, 64), ("llvm", 64), ("cuda", 16), ("vulkan", 16), ("metal", 16)):
         assert resolve_target(target).default_block_size == want
         key = key_of("tiny", target=target, max_context=256)["key"]
         assert key["block_size"] == want and key["max_blocks_cap"] == 256 // want, target
