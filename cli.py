@@ -132,11 +132,11 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     prepared, _ = _prepare(**opts)
     engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
-    _warn_over_capacity(engine, len(engine.encode_prompt(prompt, chat)), max_new_tokens,
-                        opts["max_blocks_cap"] is not None)
+    ids = engine.encode_prompt(prompt, chat)
+    _warn_over_capacity(engine, len(ids), max_new_tokens, opts["max_blocks_cap"] is not None)
     try:
-        for piece in engine.stream_text(prompt, chat=chat, max_new_tokens=max_new_tokens,
-                                        sampling=sampling):
+        for piece in engine.stream_ids_text(ids, max_new_tokens=max_new_tokens,
+                                            sampling=sampling):
             click.echo(piece, nl=False)
     except PagedDecodeError:
         click.echo()  # the error line starts on a line of its own, after the text so far

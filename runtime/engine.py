@@ -52,9 +52,15 @@ class Engine:
 
     def stream_text(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 64,
                     sampling: SamplingParams | None = None) -> Iterator[str]:
-        """Yield decoded text pieces as tokens arrive; stops at the model's end-of-sequence ids."""
+        """Yield decoded text pieces as tokens arrive; stops at the model's end-of-sequence ids.
+        The prompt is encoded here, before the first piece is asked for."""
+        return self.stream_ids_text(self.encode_prompt(prompt, chat),
+                                    max_new_tokens=max_new_tokens, sampling=sampling)
+
+    def stream_ids_text(self, ids: list[int], *, max_new_tokens: int = 64,
+                        sampling: SamplingParams | None = None) -> Iterator[str]:
+        """``stream_text`` for a prompt already encoded (``encode_prompt``)."""
         tok = self._require_tokenizer()
-        ids = self.encode_prompt(prompt, chat)
         decoder = tok.stream(skip_special_tokens=True)
         for token in self.generator.stream(ids, max_new_tokens, sampling, tok.eos_ids):
             piece = decoder.push(token)

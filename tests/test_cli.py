@@ -64,6 +64,28 @@ def test_run_tiny_streams_and_reports_speed(runner, artifact_root):
     assert "warning" not in result.output
 
 
+def test_run_encodes_the_prompt_once(runner, artifact_root, monkeypatch):
+    """paged-run encodes the prompt once, for the capacity check and the generation both; the
+    generation streams the same text as ``Engine.stream_text`` on the same prompt."""
+    from paged_decode.compile.api import prepare
+    from paged_decode.runtime.engine import Engine
+    from paged_decode.runtime.tokenizer import Tokenizer
+
+    p = prepare("tiny", block_size=4, max_context=64, artifacts=artifact_root)
+    want = "".join(Engine.load(p.artifact_dir, p.weights_dir).stream_text(
+        "hello there", max_new_tokens=8))
+    calls = []
+    encode = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode",
+                        lambda self, *a, **k: calls.append(a) or encode(self, *a, **k))
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--block-size", "4", "--max-context",
+                                     "64", "--artifacts", str(artifact_root), "--prompt",
+                                     "hello there", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert calls == [("hello there",)]
+    assert want and want in result.output
+
+
 def test_run_warns_up_front_when_the_generation_outgrows_the_artifact(runner, artifact_root):
     from paged_decode.compile.api import prepare
     from paged_decode.runtime.engine import Engine
