@@ -147,14 +147,19 @@ def llamacpp_available() -> str | None:
     return None
 
 
-def median_ms(step, n_tokens: int, warmup_s: float, min_warmup: int = 3) -> float:
-    """Median ms of ``n_tokens`` calls after ``min_warmup`` calls, continued up to ``warmup_s``
-    seconds or 48 calls (the same warm-up rule as ours)."""
+def warm_up(step, warmup_s: float, min_warmup: int = 3) -> None:
+    """``min_warmup`` calls of ``step``, continued up to ``warmup_s`` seconds or 48 calls (the
+    same warm-up rule for every engine)."""
     t_end = time.perf_counter() + warmup_s
     for i in range(48):
         if i >= min_warmup and time.perf_counter() >= t_end:
             break
         step()
+
+
+def median_ms(step, n_tokens: int, warmup_s: float, min_warmup: int = 3) -> float:
+    """Median ms of ``n_tokens`` calls after the warm-up (``warm_up``)."""
+    warm_up(step, warmup_s, min_warmup)
     times = []
     for _ in range(n_tokens):
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from . import baselines
-from .baselines import median_ms
+from .baselines import median_ms, warm_up
 from .api import prepare
 from .weights import ModelSource, resolve_model
 
@@ -116,23 +116,45 @@ class _Ours:
 
         return PagedDecodeSession(self.artifact, self.weights, pool)
 
-    def decode_ms(self, ctx: int, n_tokens: int, warmup_s: float,
-                  scattered: bool = False) -> float:
-        """Median ms/token decoding at context ``ctx`` (identity or scattered block table)."""
-        cap = self.m["max_blocks_cap"]
+    def _decoding(self, ctx: int, n_tokens: int, scattered: bool):
+        """``(step, handle)``: one decode step at context ``ctx`` (``handle`` truncated to
+        ``ctx - 1`` tokens, room for ``n_tokens`` + 52 more) on a fresh pool, through an identity
+        block table or a scattered one (a filler sequence's blocks between ours)."""
+        cap, bs = self.m["max_blocks_cap"], self.m["block_size"]
         pool = self.pool(2 * cap if scattered else cap)
-        if scattered:  # interleave a filler sequence so our blocks are non-contiguous
-            filler = pool.new_sequence()
+        filler = pool.new_sequence() if scattered else None
         handle = pool.new_sequence()
-        for _ in range(-(-(ctx + n_tokens + 52) // self.m["block_size"])):  # 48 warm-up calls
-            if scattered:
-                filler.reserve(self.m["block_size"])
-                filler.advance(self.m["block_size"])
-            handle.reserve(self.m["block_size"])
-            handle.advance(self.m["block_size"])
+        for _ in range(-(-(ctx + n_tokens + 52) // bs)):  # 48 warm-up calls
+            if filler is not None:
+                filler.reserve(bs)
+                filler.advance(bs)
+            handle.reserve(bs)
+            handle.advance(bs)
         handle.truncate_to(ctx - 1)
         session = self.session(pool)
-        return median_ms(lambda: session.realize_token(handle, 1), n_tokens, warmup_s)
+        return (lambda: session.realize_token(handle, 1)), handle
+
+    def decode_ms(self, ctx: int, n_tokens: int, warmup_s: float) -> float:
+        """Median ms/token decoding at context ``ctx`` (identity block table)."""
+        step, _ = self._decoding(ctx, n_tokens, scattered=False)
+        return median_ms(step, n_tokens, warmup_s)
+
+    def paged_ratio(self, ctx: int, n_tokens: int, warmup_s: float) -> dict:
+        """Scattered over identity block table at context ``ctx``: two sessions on two pools,
+        their tokens timed alternately (each scattered token next to an identity one, so a
+        bandwidth regime flip moves both), ``n_tokens`` each after the warm-up; the ratio of the
+        medians."""
+        steps = [self._decoding(ctx, n_tokens, scattered)[0] for scattered in (False, True)]
+        warm_up(lambda: [step() for step in steps], warmup_s)
+        times = [[], []]
+        for _ in range(n_tokens):
+            for i, step in enumerate(steps):
+                t0 = time.perf_counter()
+                step()
+                times[i].append(time.perf_counter() - t0)
+        contiguous, scattered = (float(np.median(t) * 1e3) for t in times)
+        return {"contiguous_ms": contiguous, "scattered_ms": scattered,
+                "ratio": scattered / contiguous}
 
     def prefill_tps(self, n: int) -> float:
         """Tokens/s of an ``n``-token prefill, after an untimed one of the same length (as for
@@ -235,12 +257,12 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) 
 
 def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: bool,
           floor_bytes: int | None = None) -> dict:
-    """One bracketed pair at context ``c``: bandwidth, ours, [scattered], llama.cpp, ours,
-    bandwidth; with ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the
+    """One bracketed pair at context ``c``: bandwidth, ours, [identity and scattered block
+    tables interleaved (``paged_ratio``)], llama.cpp, ours, bandwidth; with ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the
     ms/token at its mean bandwidth reading."""
     pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)]}
     if scattered:
-        pair["scattered_ms"] = ours.decode_ms(c, n, warm, scattered=True)
+        pair["paged"] = ours.paged_ratio(c, n, warm)
     if lc is not None:
         _pause()
         pair["llama.cpp_ms"] = lc.decode_ms(c, n, warm)
@@ -337,8 +359,9 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
            # per pair: the floor (bytes / the pair's bandwidth) over our time
            "floor_fraction": {c: _over_pairs(pairs[c], ours_ff) for c in ctxs},
            "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, ours_ff) for c in ctxs},
-           "paged_vs_contiguous": {"context": big, **_over_pairs(
-               pairs[big], lambda p: p["scattered_ms"] / _ours_ms(p))},
+           # interleaved within each pair (``paged_ratio``): every pair counts, stable or not
+           "paged_vs_contiguous": {"context": big, "pairs": len(pairs[big]), **_spread(
+               [p["paged"]["ratio"] for p in pairs[big]])},
            "replan": ours.replan_ratio(cfg["replan"])}
     if m["name"] == "tiny":
         res["host_overhead"] = ours.host_overhead_us()

@@ -50,7 +50,12 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
         assert run["regime_split_gbps"] is not None or by == {}
         split_counted = frac["stable"] if run["regime_split_gbps"] else 0
         assert sum(v["pairs"] for v in by.values()) == split_counted
-    assert ours["paged_vs_contiguous"]["median"] > 0 and ours["replan"]["ratio"] > 0
+    big = max(contexts, key=int)
+    paged = [p["paged"] for p in run["pairs"][big]]  # interleaved: every pair counts
+    for p in paged:
+        assert p["ratio"] == pytest.approx(p["scattered_ms"] / p["contiguous_ms"])
+    assert ours["paged_vs_contiguous"]["values"] == [p["ratio"] for p in paged]
+    assert ours["paged_vs_contiguous"]["context"] == int(big) and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
         res = run["baselines"][engine]
