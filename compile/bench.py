@@ -117,9 +117,9 @@ class _Ours:
         return PagedDecodeSession(self.artifact, self.weights, pool)
 
     def _decoding(self, ctx: int, n_tokens: int, scattered: bool):
-        """``(step, handle)``: one decode step at context ``ctx`` (``handle`` truncated to
-        ``ctx - 1`` tokens, room for ``n_tokens`` + 52 more) on a fresh pool, through an identity
-        block table or a scattered one (a filler sequence's blocks between ours)."""
+        """One decode step (a callable) at context ``ctx`` on a fresh pool, the sequence cut to
+        ``ctx - 1`` tokens with room for ``n_tokens`` + 52 more, through an identity block table
+        or a scattered one (a filler sequence's blocks between ours)."""
         cap, bs = self.m["max_blocks_cap"], self.m["block_size"]
         pool = self.pool(2 * cap if scattered else cap)
         filler = pool.new_sequence() if scattered else None
@@ -132,19 +132,18 @@ class _Ours:
             handle.advance(bs)
         handle.truncate_to(ctx - 1)
         session = self.session(pool)
-        return (lambda: session.realize_token(handle, 1)), handle
+        return lambda: session.realize_token(handle, 1)
 
     def decode_ms(self, ctx: int, n_tokens: int, warmup_s: float) -> float:
         """Median ms/token decoding at context ``ctx`` (identity block table)."""
-        step, _ = self._decoding(ctx, n_tokens, scattered=False)
-        return median_ms(step, n_tokens, warmup_s)
+        return median_ms(self._decoding(ctx, n_tokens, scattered=False), n_tokens, warmup_s)
 
     def paged_ratio(self, ctx: int, n_tokens: int, warmup_s: float) -> dict:
         """Scattered over identity block table at context ``ctx``: two sessions on two pools,
         their tokens timed alternately (each scattered token next to an identity one, so a
         bandwidth regime flip moves both), ``n_tokens`` each after the warm-up; the ratio of the
         medians."""
-        steps = [self._decoding(ctx, n_tokens, scattered)[0] for scattered in (False, True)]
+        steps = [self._decoding(ctx, n_tokens, scattered) for scattered in (False, True)]
         warm_up(lambda: [step() for step in steps], warmup_s)
         times = [[], []]
         for _ in range(n_tokens):
@@ -241,7 +240,7 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) 
         for c in ctxs:
             for attempt in range(1 + cfg["retries"]):  # a pair that straddled a flip is redone
                 pair = _pair(ours, lc, c, n, warm if attempt == 0 else LATER_WARMUP_S,
-                             cfg["bw_mb"], scattered=c == big, floor_bytes=(bpt or {}).get(c))
+                             cfg["bw_mb"], paged=c == big, floor_bytes=(bpt or {}).get(c))
                 pair["attempt"] = attempt
                 pairs[c].append(pair)
                 if pair["stable"]:
@@ -255,13 +254,14 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) 
     return {"pairs": pairs, "prefill_tps": prefill}
 
 
-def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, scattered: bool,
+def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
           floor_bytes: int | None = None) -> dict:
-    """One bracketed pair at context ``c``: bandwidth, ours, [identity and scattered block
-    tables interleaved (``paged_ratio``)], llama.cpp, ours, bandwidth; with ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the
-    ms/token at its mean bandwidth reading."""
+    """One bracketed pair at context ``c``: bandwidth, ours, [with ``paged``: identity and
+    scattered block tables interleaved (``paged_ratio``)], llama.cpp, ours, bandwidth; with
+    ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the ms/token at its
+    mean bandwidth reading."""
     pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)]}
-    if scattered:
+    if paged:
         pair["paged"] = ours.paged_ratio(c, n, warm)
     if lc is not None:
         _pause()

@@ -95,9 +95,9 @@ def markdown(report: dict) -> str:
         lines += _engine_rows(run, contexts)
     lines += ["", "Ours over llama.cpp (tokens/s ratio; decode: median (min-max) over the pairs "
               "that stayed in one bandwidth regime, [stable/all pairs]; each pair times ours, "
-              "llama.cpp, ours back to back; prefill: per round; paged/contiguous: a scattered over an "
-              "identity block table at the largest context, their tokens timed alternately, "
-              "median (min-max) over every pair):", "",
+              "llama.cpp, ours back to back; prefill: per round; paged/contiguous: a scattered "
+              "over an identity block table at the largest context, their tokens timed "
+              "alternately, median (min-max) over every pair):", "",
               "| model | dtype | compile s | load s (cache hit) | paged/contiguous | "
               "re-plan/plan-once | " + " | ".join(f"decode ctx {c}" for c in contexts)
               + " | prefill |", "|---|---|---|---|---|---|" + "---|" * len(contexts) + "---|"]
