@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import shlex
 from pathlib import Path
 from typing import Callable
 
@@ -80,18 +81,22 @@ def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
 
 
 def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
-                    ) -> tuple[Path, bool]:
+                    model_arg: str) -> tuple[Path, bool]:
+    """The artifact folder for ``spec`` on ``target`` under ``root`` (built under its lock
+    unless ``policy`` reuses it), and whether it was a cache hit.  ``model_arg``: what
+    ``--model`` takes to name the model again, for the rebuild hints."""
     name = artifact_name(spec, target)
-    hint = _compile_command(spec.config.name, cli_target(target.key_string), root,
+    hint = _compile_command(model_arg, cli_target(target.key_string), root,
                             spec.block_size, spec.max_blocks_cap, spec.cache_dtype,
                             spec.weight_dtype)
-    return cache.locked_build(root, name, lambda d: build_into(spec, target, d),
+    return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg),
                               _manifest_complete, policy, hint)
 
 
 def _compile_command(model: str, target: str, root: Path, block_size: int, max_blocks_cap: int,
                      cache_dtype: str, weight_dtype: str) -> str:
-    return (f"paged-compile --model {model} --target {target} --block-size {block_size} "
+    return (f"paged-compile --model {shlex.quote(model)} --target {target} "
+            f"--block-size {block_size} "
             f"--max-blocks-cap {max_blocks_cap} --cache-dtype {cache_dtype} --weight-dtype "
             f"{weight_dtype} --artifacts {root}")
 
@@ -203,7 +208,8 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     root = cache.artifacts_root(artifacts)
     policy = "redo" if force else cache.cache_policy(policy)
     say(f"artifact {artifact_name(spec, tspec)} (cache policy {policy})")
-    art_dir, hit = ensure_artifact(spec, tspec, root, policy)
+    art_dir, hit = ensure_artifact(spec, tspec, root, policy,
+                                   source.cli_name or source.config.name)
     say(f"weights of {source.config.name} as {weight_dtype}")
     w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy)
     manifest = json.loads((art_dir / "manifest.json").read_text())

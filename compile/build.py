@@ -161,13 +161,17 @@ def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir
     return lib_path
 
 
-def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path) -> dict:
-    """Compile into ``out_dir`` and write manifest.json (last, so its presence means complete)."""
+def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path, model_arg: str = "") -> dict:
+    """Compile into ``out_dir`` and write manifest.json (last, so its presence means complete).
+    ``model_arg`` (what ``--model`` takes to name the model again) goes into the manifest only,
+    for the rebuild hints: it is not part of the key."""
     manifest = manifest_for(spec, target)
     t0 = time.perf_counter()
     log.info("compiling %s for %s (key %s)", spec.config.name, target.kind, manifest["digest"])
     lib_path = compile_library(spec, target, manifest, out_dir)
     manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
+    if model_arg:
+        manifest["model_arg"] = model_arg
     try:
         manifest["library_sha256"] = sha256_file(lib_path)
         manifest["library_bytes"] = lib_path.stat().st_size

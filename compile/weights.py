@@ -47,6 +47,7 @@ class ModelSource:
     path: Path | None
     config: ModelConfig
     weights_key: str  # 16 hex chars; changes exactly when a weight value changes
+    cli_name: str = ""  # what ``--model`` takes to name it again (preset, default, full path)
 
     def load_params(self, weight_dtype: str) -> dict[str, np.ndarray]:
         """Every parameter as a C-contiguous array, in ``param_specs`` order and dtypes.
@@ -71,14 +72,15 @@ def resolve_model(model: str | ModelSource | None) -> ModelSource:
     if isinstance(model, ModelSource):
         return model
     if model is None or model.lower() == DEFAULT_NAME.lower():
-        return _gguf_source(default_gguf())
+        return dataclasses.replace(_gguf_source(default_gguf()), cli_name=DEFAULT_NAME)
     if model in config_mod.PRESETS:
         key = hashlib.sha256(f"preset:{model}:seed:{PRESET_SEED}".encode()).hexdigest()[:16]
-        return ModelSource("preset", None, config_mod.preset(model), key)
+        return ModelSource("preset", None, config_mod.preset(model), key, model)
     path = Path(model).expanduser()
     if path.is_dir():
         cfg = config_mod.from_hf_dir(path)
-        return ModelSource("hf", path, cfg, _sha256_files(_safetensors_files(path)))
+        return ModelSource("hf", path, cfg, _sha256_files(_safetensors_files(path)),
+                           str(path.resolve()))
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path)
     if not path.exists() and (path.suffix or os.sep in model):
@@ -261,7 +263,7 @@ def _gguf_source(path: Path) -> ModelSource:
                           f"tensor={fields['_has_rope_freqs']}) is not supported in GGUF files; "
                           "use the HF checkpoint")
     cfg = config_mod.from_gguf_fields(fields, name=path.stem, source=str(path))
-    return ModelSource("gguf", path, cfg, _sha256_files([path]))
+    return ModelSource("gguf", path, cfg, _sha256_files([path]), str(path.resolve()))
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

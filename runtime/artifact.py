@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -42,18 +43,19 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     """The paged-compile command that rebuilds ``path``.
 
     Options come from the manifest's key when it matches its digest, else from the manifest's
-    top-level copies (one of the two was edited), else only the model name of the folder.
+    top-level copies (one of the two was edited), else only the model name of the folder.  The
+    model is what ``--model`` took when it was built (``model_arg``), else the model's name.
     """
     m = manifest if isinstance(manifest, dict) else {}
     key = m.get("key") if isinstance(m.get("key"), dict) else {}
     source = key if key and key_digest(key) == m.get("digest") else m
-    name = m.get("name") or path.name.rsplit("-", 2)[0] or "<model>"
+    name = m.get("model_arg") or m.get("name") or path.name.rsplit("-", 2)[0] or "<model>"
     opts = "".join(f" --{field.replace('_', '-')} {source[field]}" for field in (
         "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
     target = source.get("target") or key.get("target") or m.get("target_kind")
     if isinstance(target, str):
         opts = f" --target {cli_target(target)}" + opts
-    return (f"rebuild it with `paged-compile --model {name}{opts} --artifacts {path.parent} "
+    return (f"rebuild it with `paged-compile --model {shlex.quote(str(name))}{opts} --artifacts {path.parent} "
             f"--force` (or delete {path} and compile again)")
 
 
@@ -78,7 +80,7 @@ def sha256_file(path: Path) -> str:
 
 
 # Written into manifest.json after the build; the library's _metadata() cannot know them.
-_DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes")
+_DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
 
 
 def verify_manifest(manifest: dict, path: Path) -> None:

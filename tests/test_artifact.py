@@ -133,8 +133,10 @@ def test_metadata_returns_the_manifest(build):
     on_disk = json.loads((prepared.artifact_dir / "manifest.json").read_text())
     assert embedded["digest"] == on_disk["digest"] == key_digest(on_disk["key"])
     assert embedded["key"] == on_disk["key"]
-    assert {k: on_disk[k] for k in embedded} == embedded  # disk adds only hash / timing
-    assert set(on_disk) - set(embedded) == {"compile_seconds", "library_sha256", "library_bytes"}
+    assert {k: on_disk[k] for k in embedded} == embedded  # disk adds hash, timing, --model
+    assert set(on_disk) - set(embedded) == {"compile_seconds", "library_sha256", "library_bytes",
+                                            "model_arg"}
+    assert on_disk["model_arg"] == "tiny"
 
 
 def test_bad_cache_options_are_config_errors():

@@ -236,3 +236,36 @@ def test_unknown_policy_is_a_config_error(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGED_DECODE_CACHE", "sometimes")
     with pytest.raises(ConfigError, match=r"cache policy 'sometimes'.*PAGED_DECODE_CACHE"):
         _prepare(tmp_path)
+
+
+def test_rebuild_hints_name_the_model_as_it_was_given(build, llama_ckpt, tmp_path):
+    """A readonly miss on a checkpoint folder names that folder's path as ``--model`` (not the
+    model's name, which ``--model`` does not take).  A damaged artifact's hint names what
+    ``--model`` took when it was built (a same-shaped checkpoint may have built it first), and
+    that resolves to a model of the artifact's shape."""
+    import shlex
+
+    from paged_decode.compile.weights import resolve_model
+
+    path = str(Path(llama_ckpt.path).resolve())
+    want = re.escape(f"paged-compile --model {shlex.quote(path)} --target ")
+    with pytest.raises(ArtifactError, match=want):
+        api.prepare(str(llama_ckpt.path), artifacts=tmp_path / "empty", policy="readonly",
+                    **OPTS)
+    built = build(llama_ckpt.path, **OPTS)
+    model_arg = built.manifest["model_arg"]
+    assert resolve_model(model_arg).config.shape_dict() == built.manifest["key"]["model"]
+    damaged = Path(shutil.copytree(built.artifact_dir, tmp_path / built.artifact_dir.name))
+    _flip_byte(damaged)
+    with pytest.raises(ArtifactError,
+                       match=re.escape(f"paged-compile --model {shlex.quote(model_arg)} --target ")):
+        load_artifact(damaged)
+
+
+def test_the_default_models_rebuild_name_is_one_model_takes(smollm_gguf):
+    """The default GGUF's own name ends in ``.Q4_1``; ``--model`` takes the default's name."""
+    from paged_decode.compile.weights import DEFAULT_NAME, resolve_model
+
+    source = resolve_model(None)
+    assert source.cli_name == DEFAULT_NAME and source.config.name != DEFAULT_NAME
+    assert resolve_model(source.cli_name).weights_key == source.weights_key
