@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from paged_decode.runtime.errors import PagedDecodeError
+from paged_decode.runtime.errors import CapacityError, InputError, PagedDecodeError
 
 DTYPE = click.Choice(["float32", "float16"])
 
@@ -96,19 +96,22 @@ def compile_cmd(print_key, verbose, **opts):
                f"(total {seconds:.2f} s), library {m['library_bytes'] / 1e6:.2f} MB")
 
 
-def _warn_over_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool) -> None:
-    """Say up front when the generation cannot reach ``max_new_tokens`` in the artifact's KV
-    capacity (a stop token may still end it sooner; a prompt that alone is too long is an error
-    from the prefill)."""
+def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool) -> None:
+    """Before any work: a prompt longer than the artifact's KV capacity is an error, and a
+    generation that cannot reach ``max_new_tokens`` in it a warning (a stop token may still end
+    it sooner); both name the ``--max-context`` (or ``--max-blocks-cap``) that fits."""
     art = engine.artifact
     cap, bs = art.max_tokens, art.block_size
-    need = n_prompt + max_new_tokens - 1  # the last generated token is never written
-    if max_new_tokens <= 0 or not n_prompt <= cap < need:
+    need = n_prompt + max(max_new_tokens - 1, 0)  # the last generated token is never written
+    if need <= cap:
         return
     fix = f"--max-blocks-cap {-(-need // bs)}" if by_blocks else f"--max-context {need}"
     limit = art.manifest["key"]["model"].get("max_position_embeddings")
     beyond = (f" (above the model's max_position_embeddings, {limit})"
               if limit is not None and need > limit else "")
+    if n_prompt > cap:
+        raise CapacityError(f"the prompt is {n_prompt} tokens and the artifact holds {cap}; "
+                            f"rerun with {fix}{beyond}, or shorten --prompt")
     _progress(f"warning: the prompt ({n_prompt} tokens) and --max-new-tokens {max_new_tokens} "
               f"need {need} KV slots and the artifact holds {cap}: the generation fails after "
               f"{cap - n_prompt + 1} tokens unless a stop token ends it; rerun with {fix}{beyond}")
@@ -130,10 +133,15 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     from paged_decode.runtime.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if max_new_tokens < 0:  # checked, like the sampling options, before any compile
+        raise InputError(f"--max-new-tokens {max_new_tokens}: must be 0 or more (the number of "
+                         "tokens to generate)")
+    if not prompt and not chat:
+        raise InputError("--prompt is empty: pass the text to continue")
     prepared, _ = _prepare(**opts)
     engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
     ids = engine.encode_prompt(prompt, chat)
-    _warn_over_capacity(engine, len(ids), max_new_tokens, opts["max_blocks_cap"] is not None)
+    _check_capacity(engine, len(ids), max_new_tokens, opts["max_blocks_cap"] is not None)
     try:
         for piece in engine.stream_ids_text(ids, max_new_tokens=max_new_tokens,
                                             sampling=sampling):

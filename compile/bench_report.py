@@ -84,8 +84,8 @@ def markdown(report: dict) -> str:
              f"{report['machine']['cpu_count']} cores): {bws}.  KV-cache blocks of "
              f"{' / '.join(map(str, blocks))} tokens.", "",
              "ms/token at context, median of all readings (fraction of the bandwidth floor: "
-             "median over the stable pairs, each against its own bandwidth readings); prefill "
-             "tokens/s by prompt length.", "",
+             "median over the stable pairs, each against its own bandwidth readings, or over "
+             "all pairs where none was stable); prefill tokens/s by prompt length.", "",
              "| model | dtype | engine | " + " | ".join(f"ctx {c}" for c in contexts)
              + " | prefill tok/s |",
              "|---|---|---|" + "---|" * len(contexts) + "---|"]
@@ -94,7 +94,8 @@ def markdown(report: dict) -> str:
                   + " | ".join(_fmt(run["floor_ms"][c]) for c in contexts) + " | |"]
         lines += _engine_rows(run, contexts)
     lines += ["", "Ours over llama.cpp (tokens/s ratio; decode: median (min-max) over the pairs "
-              "that stayed in one bandwidth regime, [stable/all pairs]; each pair times ours, "
+              "that stayed in one bandwidth regime, [stable/all pairs]; [0/n]: none did, the "
+              "median is over all n; each pair times ours, "
               "llama.cpp, ours back to back; prefill: per round; paged/contiguous: a scattered "
               "over an identity block table at the largest context, their tokens timed "
               "alternately, median (min-max) over every pair):", "",

@@ -112,6 +112,35 @@ def test_run_warns_up_front_when_the_generation_outgrows_the_artifact(runner, ar
     assert f"decode: {64 - n} tokens" in exact.output
 
 
+def test_run_rejects_a_prompt_longer_than_the_artifact_before_generating(runner, artifact_root):
+    from paged_decode.compile.api import prepare
+    from paged_decode.runtime.engine import Engine
+
+    p = prepare("tiny", block_size=4, max_context=64, artifacts=artifact_root)
+    prompt = "hello there " * 40
+    n = len(Engine.load(p.artifact_dir, p.weights_dir).encode_prompt(prompt))
+    assert n > 64
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--block-size", "4", "--max-context",
+                                     "64", "--artifacts", str(artifact_root), "--prompt", prompt,
+                                     "--max-new-tokens", "5"])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[-1] == (
+        f"error: the prompt is {n} tokens and the artifact holds 64; rerun with --max-context "
+        f"{n + 4}, or shorten --prompt")
+    assert all(line.startswith("[") for line in result.output.splitlines()[:-1])  # no text
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt", "hi", "--max-new-tokens", "-3"], "error: --max-new-tokens -3: must be 0 or more"),
+    (["--prompt", ""], "error: --prompt is empty"),
+])
+def test_run_rejects_bad_run_options_before_compiling(runner, tmp_path, args, needle):
+    root = tmp_path / "root"
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--artifacts", str(root)] + args)
+    assert result.exit_code == 1 and result.output.startswith(needle), result.output
+    assert not root.exists() or not any(root.iterdir())  # nothing compiled
+
+
 def test_run_rejects_bad_sampling(runner, artifact_root):
     result = runner.invoke(run_cmd, ["--model", "tiny", "--artifacts", str(artifact_root),
                                      "--prompt", "x", "--top-p", "1.5"])
