@@ -130,6 +130,7 @@ def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool)
 def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opts):
     """Compile (or reuse) the artifact, then stream a completion."""
     from paged_decode.runtime.engine import Engine
+    from paged_decode.runtime.kv_pool import PoolConfigError
     from paged_decode.runtime.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -139,7 +140,12 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     if not prompt and not chat:
         raise InputError("--prompt is empty: pass the text to continue")
     prepared, _ = _prepare(**opts)
-    engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+    try:
+        engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+    except PoolConfigError as e:  # the pool holds the artifact's whole context
+        raise PoolConfigError(f"{e}; paged-run sizes the pool for the artifact's whole "
+                              "context: compile it for fewer tokens (a smaller --max-context or "
+                              "--max-blocks-cap)") from e
     ids = engine.encode_prompt(prompt, chat)
     _check_capacity(engine, len(ids), max_new_tokens, opts["max_blocks_cap"] is not None)
     try:

@@ -27,8 +27,26 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def available_bytes() -> int | None:
+    """The memory the kernel reckons it can hand out without swapping (``MemAvailable`` in
+    ``/proc/meminfo``); None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _mapping(nbytes: int) -> np.ndarray:
-    """``nbytes`` of zeroed host memory starting on a huge-page boundary where possible."""
+    """``nbytes`` of zeroed host memory starting on a huge-page boundary where possible.  More
+    than ``available_bytes()`` is a MemoryError here: with overcommit the mapping itself would
+    succeed and the process be killed while its pages are first written."""
+    avail = available_bytes()
+    if avail is not None and nbytes > avail:
+        raise MemoryError(f"{nbytes} bytes asked of host memory, {avail} available")
     flags = getattr(mmap, "MAP_PRIVATE", None), getattr(mmap, "MAP_ANONYMOUS", None)
     if None in flags:  # no private anonymous mappings (Windows): page-aligned numpy memory
         raw = np.zeros(nbytes + ALIGN, np.uint8)

@@ -215,8 +215,8 @@ class PagedKVCache:
         except Exception as e:  # mmap and TVM raise their own error types for out-of-memory
             raise PoolConfigError(
                 f"could not allocate {n} KV pool tensors {shape} {self.cache_dtype} on "
-                f"{self.device} ({self.nbytes} bytes in all); lower num_blocks or the memory "
-                "budget") from e
+                f"{self.device} ({self.nbytes} bytes in all: {e}); lower num_blocks or the "
+                "memory budget") from e
         for tensor in tensors:
             tensor.copyfrom(np.zeros(shape, dtype=self.cache_dtype))
         return tensors

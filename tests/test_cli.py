@@ -141,6 +141,24 @@ def test_run_rejects_bad_run_options_before_compiling(runner, tmp_path, args, ne
     assert not root.exists() or not any(root.iterdir())  # nothing compiled
 
 
+def test_run_names_the_build_options_when_the_pool_does_not_fit(runner, artifact_root,
+                                                                monkeypatch):
+    from paged_decode.runtime import kv_pool
+
+    class NoMemory:
+        @staticmethod
+        def for_arrays(_specs):
+            raise MemoryError("1 bytes asked of host memory, 0 available")
+
+    monkeypatch.setattr(kv_pool, "HostArena", NoMemory)
+    result = runner.invoke(run_cmd, ["--model", "tiny", "--block-size", "4", "--max-context",
+                                     "64", "--artifacts", str(artifact_root), "--prompt", "hi"])
+    assert result.exit_code == 1
+    last = result.output.splitlines()[-1]
+    assert last.startswith("error: could not allocate") and "0 available" in last
+    assert last.endswith("(a smaller --max-context or --max-blocks-cap)")
+
+
 def test_run_rejects_bad_sampling(runner, artifact_root):
     result = runner.invoke(run_cmd, ["--model", "tiny", "--artifacts", str(artifact_root),
                                      "--prompt", "x", "--top-p", "1.5"])

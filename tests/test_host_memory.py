@@ -182,3 +182,17 @@ def test_weights_that_do_not_fit_in_memory_are_a_weights_error(tiny, monkeypatch
     with pytest.raises(WeightsError, match=r"could not allocate \d+ bytes of host memory .*"
                        r"Cannot allocate memory"):
         load_weights(tiny.weights_dir, artifact)
+
+
+def test_a_pool_larger_than_the_available_memory_is_refused_before_mapping(monkeypatch):
+    """With overcommit a too-large mapping succeeds and the process is killed while it is zeroed:
+    the arena refuses more than ``available_bytes()`` up front, and the pool says so."""
+    from paged_decode.runtime import host_memory
+    from paged_decode.runtime.kv_pool import PagedKVCache, PoolConfigError
+
+    assert host_memory.available_bytes() > 0  # read from /proc/meminfo on Linux
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1 << 20)
+    with pytest.raises(PoolConfigError, match=r"\(16777216 bytes in all: 16777216 bytes asked "
+                       r"of host memory, 1048576 available\); lower num_blocks"):
+        PagedKVCache(2, 4, 64, 16, "float32", num_blocks=256)
+    PagedKVCache(2, 4, 64, 16, "float32", num_blocks=4)  # 256 KiB fits
