@@ -157,7 +157,8 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
         raise
     s = engine.generator.stats
     click.echo()
-    click.echo(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s; "
+    click.echo(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s "
+               "(it yields the first new token); "
                f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s", err=True)
 
 
@@ -169,8 +170,9 @@ def cache_cmd(artifacts, clear):
     """List (or clear) cached artifacts."""
     from paged_decode.compile.cache import artifacts_root
 
-    root = artifacts_root(artifacts)
-    entries = sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
+    root = artifacts_root(artifacts, create=False)  # listing never creates the folder
+    entries = (sorted(p for p in root.iterdir() if (p / "manifest.json").is_file())
+               if root.is_dir() else [])
     packs = sorted(p for p in (root / "weights").glob("*") if (p / "weights.json").is_file())
     if not entries + packs:
         click.echo(f"no artifacts or weight packs in {root}")

@@ -40,9 +40,9 @@ ROOT_ENV = "PAGED_DECODE_ARTIFACTS"
 POLICY_ENV = "PAGED_DECODE_CACHE"
 
 
-def artifacts_root(root: str | Path | None = None) -> Path:
+def artifacts_root(root: str | Path | None = None, create: bool = True) -> Path:
     """``root``, else $PAGED_DECODE_ARTIFACTS, else the package's artifacts/ folder if writable,
-    else ~/.cache/paged-decode/artifacts."""
+    else ~/.cache/paged-decode/artifacts; created unless ``create`` is False (for listing)."""
     if root is None:
         root = os.environ.get(ROOT_ENV)
     if root is None:
@@ -50,6 +50,8 @@ def artifacts_root(root: str | Path | None = None) -> Path:
         root = pkg if os.access(pkg if pkg.exists() else pkg.parent, os.W_OK) else (
             Path.home() / ".cache" / "paged-decode" / "artifacts")
     root = Path(root)
+    if not create:
+        return root
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:

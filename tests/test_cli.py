@@ -171,6 +171,12 @@ def test_cache_lists_artifacts(runner, artifact_root, build):
     assert result.exit_code == 0 and "tiny-llvm-" in result.output
 
 
+def test_cache_listing_a_missing_root_creates_nothing(runner, tmp_path):
+    result = runner.invoke(cache_cmd, ["--artifacts", str(tmp_path / "none")])
+    assert result.exit_code == 0 and "no artifacts or weight packs in" in result.output
+    assert not (tmp_path / "none").exists()
+
+
 @pytest.mark.parametrize("root", ["a-file", "a-file/below"])
 def test_unusable_artifact_root_is_one_clean_line(runner, tmp_path, root):
     (tmp_path / "a-file").write_text("not a folder")
