@@ -47,7 +47,9 @@ class ModelSource:
     path: Path | None
     config: ModelConfig
     weights_key: str  # 16 hex chars; changes exactly when a weight value changes
-    cli_name: str = ""  # what ``--model`` takes to name it again (preset, default, full path)
+    # what ``--model`` takes to name it again (preset, the default's name, full path); not part
+    # of the model's identity: the default and its GGUF's path are the same model
+    cli_name: str = dataclasses.field(default="", compare=False)
 
     def load_params(self, weight_dtype: str) -> dict[str, np.ndarray]:
         """Every parameter as a C-contiguous array, in ``param_specs`` order and dtypes.
