@@ -95,10 +95,9 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
 
 def _compile_command(model: str, target: str, root: Path, block_size: int, max_blocks_cap: int,
                      cache_dtype: str, weight_dtype: str) -> str:
-    return (f"paged-compile --model {shlex.quote(model)} --target {target} "
-            f"--block-size {block_size} "
-            f"--max-blocks-cap {max_blocks_cap} --cache-dtype {cache_dtype} --weight-dtype "
-            f"{weight_dtype} --artifacts {root}")
+    return (f"paged-compile --model {shlex.quote(model)} --target {target} --block-size "
+            f"{block_size} --max-blocks-cap {max_blocks_cap} --cache-dtype {cache_dtype} "
+            f"--weight-dtype {weight_dtype} --artifacts {root}")
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:

@@ -55,8 +55,8 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     target = source.get("target") or key.get("target") or m.get("target_kind")
     if isinstance(target, str):
         opts = f" --target {cli_target(target)}" + opts
-    return (f"rebuild it with `paged-compile --model {shlex.quote(str(name))}{opts} --artifacts {path.parent} "
-            f"--force` (or delete {path} and compile again)")
+    return (f"rebuild it with `paged-compile --model {shlex.quote(str(name))}{opts} "
+            f"--artifacts {path.parent} --force` (or delete {path} and compile again)")
 
 
 def _read_json(path: Path, what: str, hint: str, error: type = ArtifactError) -> dict:

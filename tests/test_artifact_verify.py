@@ -257,8 +257,8 @@ def test_rebuild_hints_name_the_model_as_it_was_given(build, llama_ckpt, tmp_pat
     assert resolve_model(model_arg).config.shape_dict() == built.manifest["key"]["model"]
     damaged = Path(shutil.copytree(built.artifact_dir, tmp_path / built.artifact_dir.name))
     _flip_byte(damaged)
-    with pytest.raises(ArtifactError,
-                       match=re.escape(f"paged-compile --model {shlex.quote(model_arg)} --target ")):
+    hinted = re.escape(f"paged-compile --model {shlex.quote(model_arg)} --target ")
+    with pytest.raises(ArtifactError, match=hinted):
         load_artifact(damaged)
 
 
