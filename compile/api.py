@@ -6,11 +6,10 @@ import dataclasses
 import hashlib
 import json
 import logging
-import shlex
 from pathlib import Path
 from typing import Callable
 
-from paged_decode.runtime.artifact import cli_target, sha256_file
+from paged_decode.runtime.artifact import cli_target, compile_command, sha256_file
 from paged_decode.runtime.errors import WeightsError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
@@ -86,18 +85,12 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
     unless ``policy`` reuses it), and whether it was a cache hit.  ``model_arg``: what
     ``--model`` takes to name the model again, for the rebuild hints."""
     name = artifact_name(spec, target)
-    hint = _compile_command(model_arg, cli_target(target.key_string), root,
-                            spec.block_size, spec.max_blocks_cap, spec.cache_dtype,
-                            spec.weight_dtype)
+    hint = compile_command(model_arg, {
+        "target": cli_target(target.key_string), "block_size": spec.block_size,
+        "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
+        "weight_dtype": spec.weight_dtype}, root)
     return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg),
                               _manifest_complete, policy, hint)
-
-
-def _compile_command(model: str, target: str, root: Path, block_size: int, max_blocks_cap: int,
-                     cache_dtype: str, weight_dtype: str) -> str:
-    return (f"paged-compile --model {shlex.quote(model)} --target {target} --block-size "
-            f"{block_size} --max-blocks-cap {max_blocks_cap} --cache-dtype {cache_dtype} "
-            f"--weight-dtype {weight_dtype} --artifacts {root}")
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:

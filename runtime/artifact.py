@@ -39,6 +39,13 @@ def cli_target(target: str) -> str:
     return f"{kind_name}:{mcpu.group(1) or mcpu.group(2)}" if mcpu else kind_name
 
 
+def compile_command(model: str, options: dict, root: Path | str) -> str:
+    """``paged-compile --model MODEL --opt value ... --artifacts ROOT`` for ``options`` (field
+    names with underscores, in the order given), the model quoted for a shell."""
+    opts = "".join(f" --{field.replace('_', '-')} {value}" for field, value in options.items())
+    return f"paged-compile --model {shlex.quote(str(model))}{opts} --artifacts {root}"
+
+
 def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     """The paged-compile command that rebuilds ``path``.
 
@@ -50,13 +57,12 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     key = m.get("key") if isinstance(m.get("key"), dict) else {}
     source = key if key and key_digest(key) == m.get("digest") else m
     name = m.get("model_arg") or m.get("name") or path.name.rsplit("-", 2)[0] or "<model>"
-    opts = "".join(f" --{field.replace('_', '-')} {source[field]}" for field in (
-        "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
     target = source.get("target") or key.get("target") or m.get("target_kind")
-    if isinstance(target, str):
-        opts = f" --target {cli_target(target)}" + opts
-    return (f"rebuild it with `paged-compile --model {shlex.quote(str(name))}{opts} "
-            f"--artifacts {path.parent} --force` (or delete {path} and compile again)")
+    opts = {"target": cli_target(target)} if isinstance(target, str) else {}
+    opts.update((field, source[field]) for field in (
+        "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
+    return (f"rebuild it with `{compile_command(name, opts, path.parent)} --force` (or delete "
+            f"{path} and compile again)")
 
 
 def _read_json(path: Path, what: str, hint: str, error: type = ArtifactError) -> dict:
