@@ -4,8 +4,10 @@ One run measures, on the same weights: the machine's read bandwidth (streaming-r
 median of repeats) and the floor it implies (bytes read per token / bandwidth); our decode
 (median ms/token after warm-up at several context lengths), prefill tokens/s, compile and
 cache-hit load seconds, paged (scattered blocks) vs contiguous (identity table), plan-once vs
-re-plan per token, host overhead on the tiny model; and HF transformers eager and llama.cpp where
-installed.  Results go to JSON, a Markdown table and a PNG.
+re-plan per token, host overhead on the tiny model, a read-only step (the weight matrices a step
+streams, each read by a read-only kernel: what the kernel boundaries alone leave of the floor);
+and HF transformers eager and llama.cpp where installed.  Results go to JSON, a Markdown table
+and a PNG.
 """
 
 from __future__ import annotations
@@ -92,6 +94,14 @@ def bytes_per_token(m: dict, weights, ctx: int) -> int:
     return total + kv
 
 
+def streamed_matrices(m: dict, weights) -> list:
+    """The weight tensors a decode step streams (every matrix; the embedding only when tied, as
+    the LM head: untied, it is gathered a row per token), in the artifact's parameter order."""
+    names = [p[0] for p in m["params"]]
+    return [t for name, t in zip(names, weights.params) if len(t.shape) == 2
+            and not (name == "embed" and "lm_head" in names)]
+
+
 class _Ours:
     """Our engine over one artifact: sessions on scratch pools, no tokenizer needed."""
 
@@ -154,6 +164,53 @@ class _Ours:
         contiguous, scattered = (float(np.median(t) * 1e3) for t in times)
         return {"contiguous_ms": contiguous, "scattered_ms": scattered,
                 "ratio": scattered / contiguous}
+
+    @functools.cached_property
+    def _weights_read(self):
+        """``(step, bytes)``: a compiled VM function that reads every matrix a decode step
+        streams, each with its own read-only kernel (``stream_words``), in the artifact's order;
+        the decode step with its arithmetic, attention and host work taken out."""
+        import tvm
+        from tvm import relax
+
+        from paged_decode.runtime.host_memory import to_tvm
+
+        from .build import EXEC_MODE, relax_pipeline
+        from .kernels.common import VL
+        from .kernels.stream import CHUNKS, stream_words
+        from .targets import resolve_target
+
+        words = []  # each matrix's bytes as int32 words, in place (no copy)
+        for t in streamed_matrices(self.m, self.weights):
+            raw = np.from_dlpack(t).reshape(-1).view(np.uint8)
+            words.append(to_tvm(raw[:raw.size // 4 * 4].view(np.int32)))
+        bb, kernels = relax.BlockBuilder(), {}
+        params = [relax.Var(f"w{i}", relax.TensorType([w.shape[0]], "int32"))
+                  for i, w in enumerate(words)]
+        with bb.function("read_weights", params):
+            with bb.dataflow():
+                outs = []
+                for p, w in zip(params, words):
+                    n = w.shape[0]
+                    if n not in kernels:
+                        kernels[n] = bb.add_func(stream_words(n), f"stream_words_{n}")
+                    outs.append(bb.emit(relax.call_tir(
+                        kernels[n], [p], relax.TensorType([CHUNKS, VL], "int32"))))
+                out = bb.emit_output(relax.Tuple(outs))
+            bb.emit_func_output(out)
+        target = resolve_target(None).target
+        ex = relax.build(bb.get(), target, relax_pipeline=relax_pipeline(target),
+                         exec_mode=EXEC_MODE)
+        fn = relax.VirtualMachine(ex, tvm.cpu())["read_weights"]
+        return (lambda: fn(*words)), 4 * sum(w.shape[0] for w in words)
+
+    @property
+    def weights_read_bytes(self) -> int:
+        return self._weights_read[1]
+
+    def weights_read_ms(self, n: int) -> float:
+        """Median ms of the read-only step (``_weights_read``) over ``n`` calls."""
+        return median_ms(self._weights_read[0], n, 0.0)
 
     def prefill_tps(self, n: int) -> float:
         """Tokens/s of an ``n``-token prefill, after an untimed one of the same length (as for
@@ -256,11 +313,13 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) 
 
 def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
           floor_bytes: int | None = None) -> dict:
-    """One bracketed pair at context ``c``: bandwidth, ours, [with ``paged``: identity and
-    scattered block tables interleaved (``paged_ratio``)], llama.cpp, ours, bandwidth; with
+    """One bracketed pair at context ``c``: bandwidth, ours, the read-only step
+    (``weights_read_ms``), [with ``paged``: identity and scattered block tables interleaved
+    (``paged_ratio``)], llama.cpp, ours, bandwidth; with
     ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the ms/token at its
     mean bandwidth reading."""
-    pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)]}
+    pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)],
+            "weights_read_ms": ours.weights_read_ms(n)}
     if paged:
         pair["paged"] = ours.paged_ratio(c, n, warm)
     if lc is not None:
@@ -337,6 +396,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say)
     ctxs, big = cfg["contexts"], max(cfg["contexts"])
     bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
+    ours.weights_read_bytes  # compiles the read-only step now, not inside the first pair
     try:
         raw = _bracketed_rounds(ours, lc, cfg, say, bpt)
     finally:
@@ -349,6 +409,12 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     split = regime_split(bw)
     # each pair kept its floor (ms/token at its own bandwidth, see _pair)
     ours_ff = lambda p: p["floor_ms"] / _ours_ms(p)  # noqa: E731
+    # the read-only step: the floor for its bytes at the pair's bandwidth over its time, and
+    # our step over it
+    read_mb = ours.weights_read_bytes / 1e6
+    read_ff = lambda p: read_mb / np.mean(p["bandwidth_gbps"]) / p["weights_read_ms"]  # noqa: E731
+    ours_over_read = lambda p: _ours_ms(p) / p["weights_read_ms"]  # noqa: E731
+    every_pair = [p for c in ctxs for p in pairs[c]]
 
     res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
@@ -362,7 +428,16 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
            # interleaved within each pair (``paged_ratio``): every pair counts, stable or not
            "paged_vs_contiguous": {"context": big, "pairs": len(pairs[big]), **_spread(
                [p["paged"]["ratio"] for p in pairs[big]])},
-           "replan": ours.replan_ratio(cfg["replan"])}
+           "replan": ours.replan_ratio(cfg["replan"]),
+           # the read-only step (the streamed matrices, one read-only kernel each) in each
+           # pair: its fraction of the floor for those bytes, and our step over it
+           "weights_read": {
+               "bytes": ours.weights_read_bytes,
+               "floor_fraction": _over_pairs(every_pair, read_ff),
+               "floor_fraction_by_regime": _by_regime(every_pair, split, read_ff),
+               "ours_over": {c: _over_pairs(pairs[c], ours_over_read) for c in ctxs},
+               "ours_over_by_regime": {c: _by_regime(pairs[c], split, ours_over_read)
+                                       for c in ctxs}}}
     if m["name"] == "tiny":
         res["host_overhead"] = ours.host_overhead_us()
     baselines_out = {}

@@ -54,6 +54,34 @@ def _regime_lines(report: dict, contexts) -> list[str]:
     return lines
 
 
+def _regime_pair(by: dict) -> str:
+    """``fast / slow`` medians of one ``_by_regime`` mapping (— where a regime had no pair)."""
+    return " / ".join(f"{by[k]['median']:.2f}" if k in by else "—" for k in ("fast", "slow"))
+
+
+def _weights_read_lines(report: dict, contexts) -> list[str]:
+    """The read-only step: its floor fraction and our step over it, per run."""
+    runs = [r for r in report["runs"] if "weights_read" in r["ours"]]
+    if not runs:
+        return []
+    lines = ["", "Read-only step: in every pair, the weight matrices a decode step streams, each "
+             "read by a read-only kernel of its own in the artifact's order (the step without "
+             "its arithmetic, attention, KV cache and host work). Its fraction of the floor for "
+             "its bytes, and our step over it; median (min-max) [stable/all pairs], then fast / "
+             "slow regime medians where the run saw both:", "",
+             "| model | dtype | MB | read-only: floor fraction | fast / slow | "
+             + " | ".join(f"ours / read-only ctx {c} | fast / slow" for c in contexts) + " |",
+             "|---|---|---|---|---|" + "---|---|" * len(contexts)]
+    for r in runs:
+        w = r["ours"]["weights_read"]
+        cells = [_fmt_spread(w["floor_fraction"]), _regime_pair(w["floor_fraction_by_regime"])]
+        for c in contexts:
+            cells += [_fmt_spread(w["ours_over"][c]), _regime_pair(w["ours_over_by_regime"][c])]
+        lines.append(f"| {r['model']} | {r['dtype']} | {w['bytes'] / 1e6:.1f} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def _engine_rows(run: dict, contexts) -> list[str]:
     rows = []
     engines = {"paged-decode": run["ours"], **run["baselines"]}
@@ -111,6 +139,7 @@ def markdown(report: dict) -> str:
                      f"{_fmt(o['load_seconds'])} | {_fmt_spread(o['paged_vs_contiguous'], 3)} | "
                      f"{_fmt(o['replan']['ratio'], 1)} | " + " | ".join(dec) + f" | {pre} |")
     lines += _regime_lines(report, contexts)
+    lines += _weights_read_lines(report, contexts)
     for run in report["runs"]:
         if "host_overhead" in run["ours"]:
             h = run["ours"]["host_overhead"]

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+import tvm
+
 from paged_decode.cli import bench_cmd
 from paged_decode.compile import bench, bench_report
+from paged_decode.compile.kernels.common import VL
+from paged_decode.compile.kernels.stream import CHUNKS, stream_words
+from paged_decode.compile.targets import resolve_target
+from paged_decode.compile.weights import resolve_model
 
 
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
@@ -57,6 +63,19 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert ours["paged_vs_contiguous"]["values"] == [p["ratio"] for p in paged]
     assert ours["paged_vs_contiguous"]["context"] == int(big) and ours["replan"]["ratio"] > 0
     assert ours["host_overhead"]["python_step_us"] > 0
+    read = ours["weights_read"]  # the read-only step, timed in every pair
+    kv_free = ours["bytes_per_token"][contexts[0]] - 2 * report_kv_bytes(run, int(contexts[0]))
+    assert 0.8 * kv_free < read["bytes"] <= kv_free  # the matrices: all but the norm gains
+    every = [p for c in contexts for p in run["pairs"][c]]
+    assert all(p["weights_read_ms"] > 0 for p in every)
+    stable = [p for p in every if p["stable"]] or every
+    assert read["floor_fraction"]["median"] == pytest.approx(np.median(
+        [read["bytes"] / (np.mean(p["bandwidth_gbps"]) * 1e6) / p["weights_read_ms"]
+         for p in stable]))
+    for c in contexts:
+        pairs = [p for p in run["pairs"][c] if p["stable"]] or run["pairs"][c]
+        assert read["ours_over"][c]["median"] == pytest.approx(np.median(
+            [np.sqrt(np.prod(p["ours_ms"])) / p["weights_read_ms"] for p in pairs]))
     for engine in ("llama.cpp", "hf-eager"):  # timed, or skipped with a reason
         res = run["baselines"][engine]
         assert ("decode_ms" in res) != bool(res.get("skipped")), res
@@ -72,8 +91,27 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     md = (out / "bench.md").read_text()
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
     assert "KV-cache blocks of 8 tokens" in md
+    read_table = md[md.index("Read-only step"):]
+    assert f"| tiny | float32 | {read['bytes'] / 1e6:.1f} | " in read_table
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def report_kv_bytes(run: dict, ctx: int) -> int:
+    """K or V bytes of ``ctx`` tokens of the run's model (float32 cache)."""
+    cfg = resolve_model(run["model"]).config
+    return cfg.n_layers * ctx * cfg.n_kv_heads * cfg.head_dim * 4
+
+
+@pytest.mark.parametrize("n", [1, 17, 4096 * 16 + 5, 300_000])
+def test_stream_words_reads_every_word(n):
+    """The read-only kernel's partial sums add up to the buffer's (wrapping int32) sum: every
+    word read once, the remainder by the last chunk."""
+    fn = tvm.compile(stream_words(n), target=resolve_target(None).target)[f"stream_words_{n}"]
+    words = np.random.default_rng(n).integers(-2**31, 2**31, n, dtype=np.int64)
+    out = tvm.runtime.tensor(np.zeros((CHUNKS, VL), np.int32))
+    fn(tvm.runtime.tensor(words.astype(np.int32)), out)
+    assert int(out.numpy().astype(np.int64).sum()) % 2**32 == int(words.sum()) % 2**32
 
 
 def _pair(ours, bw, lc=None):
