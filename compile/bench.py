@@ -330,6 +330,7 @@ def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
     pair["bandwidth_gbps"].append(measure_bandwidth(bw_mb))
     if floor_bytes is not None:
         pair["floor_ms"] = floor_bytes / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
+        pair["read_floor_ms"] = ours.weights_read_bytes / (np.mean(pair["bandwidth_gbps"]) * 1e6)
     pair["stable"] = _stable(pair)
     return pair
 
@@ -342,11 +343,19 @@ def _stable(pair: dict) -> bool:
     """Our two readings within 8 % and the two bandwidth readings within 15 %: no regime flip
     inside the pair (a flip moves either by 30-80 % on this machine).  Where the pair keeps its
     floor, no reading may beat it by more than ``MAX_FLOOR_FRACTION``: that catches a flip
-    into the fast regime and back inside llama.cpp's reading, which the brackets miss."""
+    into the fast regime and back inside llama.cpp's reading, which the brackets miss.  The same
+    holds for the read-only step against the floor for its bytes, and our step may not beat the
+    read-only step (a reading of its own weights) by more than 8 % either: either one means a
+    flip inside the read-only step's reading."""
     a, bw = pair["ours_ms"], pair["bandwidth_gbps"]
     readings = a + ([pair["llama.cpp_ms"]] if pair.get("llama.cpp_ms") else [])
     beats_floor = "floor_ms" in pair and pair["floor_ms"] / min(readings) > MAX_FLOOR_FRACTION
-    return max(a) / min(a) <= STABLE_MS and max(bw) / min(bw) <= STABLE_BW and not beats_floor
+    read = pair.get("weights_read_ms")
+    read_flip = read is not None and (
+        read / min(a) > STABLE_MS
+        or pair.get("read_floor_ms", 0.0) / read > MAX_FLOOR_FRACTION)
+    return (max(a) / min(a) <= STABLE_MS and max(bw) / min(bw) <= STABLE_BW and not beats_floor
+            and not read_flip)
 
 
 def _ours_ms(pair: dict) -> float:

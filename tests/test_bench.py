@@ -47,6 +47,8 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
             assert pair["stable"] == bench._stable(pair)
             want_floor = ours["bytes_per_token"][c] / (np.mean(pair["bandwidth_gbps"]) * 1e9)
             assert pair["floor_ms"] == pytest.approx(want_floor * 1e3)
+            want_read = ours["weights_read"]["bytes"] / (np.mean(pair["bandwidth_gbps"]) * 1e9)
+            assert pair["read_floor_ms"] == pytest.approx(want_read * 1e3)
             redone = after is not None and after["attempt"] > 0
             assert redone == (not pair["stable"] and pair["attempt"] < retries)
         frac = ours["floor_fraction"][c]
@@ -136,6 +138,19 @@ def test_a_reading_far_below_the_floor_is_a_flip(lc_ms, stable):
     assert bench._stable({**pair, "ours_ms": [8.0, 8.1], "llama.cpp_ms": 12.0}) is False
     del pair["floor_ms"]  # no floor kept: the brackets alone decide
     assert bench._stable(pair)
+
+
+@pytest.mark.parametrize("read_ms, read_floor_ms, stable", [
+    (9.0, 8.5, True),    # the read-only step a little under ours, near its floor
+    (11.5, 8.5, False),  # our step 1.15x faster than reading its own weights: a flip
+    (7.0, 8.5, False),   # the read-only step 1.21x faster than its floor: a flip
+    (9.0, None, True)])  # no floor kept: only the comparison with ours
+def test_a_read_only_reading_in_another_regime_is_a_flip(read_ms, read_floor_ms, stable):
+    pair = {"ours_ms": [10.0, 10.2], "bandwidth_gbps": [33.0, 33.5], "llama.cpp_ms": 12.0,
+            "weights_read_ms": read_ms}
+    if read_floor_ms is not None:
+        pair["read_floor_ms"] = read_floor_ms
+    assert bench._stable(pair) is stable
 
 
 def test_ratios_use_stable_pairs_and_split_by_regime():
