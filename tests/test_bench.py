@@ -6,9 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
-
 import tvm
+from click.testing import CliRunner
 
 from paged_decode.cli import bench_cmd
 from paged_decode.compile import bench, bench_report
