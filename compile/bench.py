@@ -315,9 +315,9 @@ def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
           floor_bytes: int | None = None) -> dict:
     """One bracketed pair at context ``c``: bandwidth, ours, the read-only step
     (``weights_read_ms``), [with ``paged``: identity and scattered block tables interleaved
-    (``paged_ratio``)], llama.cpp, ours, bandwidth; with
-    ``floor_bytes`` (bytes read per token) the pair also keeps its floor, the ms/token at its
-    mean bandwidth reading."""
+    (``paged_ratio``)], llama.cpp, ours, bandwidth.  With ``floor_bytes`` (bytes read per token)
+    the pair also keeps its floor, the ms/token at its mean bandwidth reading, and the read-only
+    step's (``read_floor_ms``, for the bytes it reads)."""
     pair = {"bandwidth_gbps": [measure_bandwidth(bw_mb)], "ours_ms": [ours.decode_ms(c, n, warm)],
             "weights_read_ms": ours.weights_read_ms(n)}
     if paged:
