@@ -65,9 +65,10 @@ def _weights_read_lines(report: dict, contexts) -> list[str]:
     if not runs:
         return []
     lines = ["", "Read-only step: in every pair, the weight matrices a decode step streams, each "
-             "read by a read-only kernel of its own in the artifact's order (the step without "
-             "its arithmetic, attention, KV cache and host work). Its fraction of the floor for "
-             "its bytes, and our step over it; median (min-max) [stable/all pairs], then fast / "
+             "read by a read-only kernel of its own in the artifact's parameter order (the step "
+             "without its arithmetic, attention, KV cache and host work). Its fraction of the "
+             "floor for its bytes (every context's pairs together), and our step over it; median "
+             "(min-max) [pairs stable with their read-only reading too / all pairs], then fast / "
              "slow regime medians where the run saw both:", "",
              "| model | dtype | MB | read-only: floor fraction | fast / slow | "
              + " | ".join(f"ours / read-only ctx {c} | fast / slow" for c in contexts) + " |",
