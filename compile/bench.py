@@ -83,23 +83,26 @@ def measure_bandwidth(mb: int, repeats: int = 7) -> float:
     return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
 
 
+def streamed_params(m: dict, weights) -> list:
+    """The weight tensors a decode step reads whole, in the artifact's parameter order: all but
+    an untied embedding (gathered a row per token; tied, it is the LM head and streamed)."""
+    names = [p[0] for p in m["params"]]
+    return [t for name, t in zip(names, weights.params)
+            if not (name == "embed" and "lm_head" in names)]
+
+
 def bytes_per_token(m: dict, weights, ctx: int) -> int:
     """Weights read once per token (the embedding only a row unless tied) + K/V up to ``ctx``."""
-    names = [p[0] for p in m["params"]]
-    total = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize for t in weights.params)
-    if "lm_head" in names:  # untied: the embedding table is gathered, not streamed
-        emb = weights.params[names.index("embed")]
-        total -= int(np.prod(emb.shape)) * np.dtype(emb.dtype).itemsize
+    total = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+                for t in streamed_params(m, weights))
     kv = 2 * m["n_layers"] * ctx * m["n_kv_heads"] * m["head_dim"] * np.dtype(m["cache_dtype"]).itemsize
     return total + kv
 
 
 def streamed_matrices(m: dict, weights) -> list:
-    """The weight tensors a decode step streams (every matrix; the embedding only when tied, as
-    the LM head: untied, it is gathered a row per token), in the artifact's parameter order."""
-    names = [p[0] for p in m["params"]]
-    return [t for name, t in zip(names, weights.params) if len(t.shape) == 2
-            and not (name == "embed" and "lm_head" in names)]
+    """The matrices among ``streamed_params`` (each a stream of its own in a decode step; the
+    1-D norm gains and biases are read inside the GEMVs)."""
+    return [t for t in streamed_params(m, weights) if len(t.shape) == 2]
 
 
 class _Ours:
@@ -329,9 +332,10 @@ def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
         _pause()
     pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
     pair["bandwidth_gbps"].append(measure_bandwidth(bw_mb))
-    if floor_bytes is not None:
-        pair["floor_ms"] = floor_bytes / (np.mean(pair["bandwidth_gbps"]) * 1e9) * 1e3
-        pair["read_floor_ms"] = ours.weights_read_bytes / (np.mean(pair["bandwidth_gbps"]) * 1e6)
+    if floor_bytes is not None:  # ms at the mean reading: bytes / (GB/s * 1e6)
+        mean_bw = np.mean(pair["bandwidth_gbps"])
+        pair["floor_ms"] = floor_bytes / (mean_bw * 1e6)
+        pair["read_floor_ms"] = ours.weights_read_bytes / (mean_bw * 1e6)
     pair["stable"] = _stable(pair)
     pair["read_stable"] = _read_stable(pair)
     return pair
@@ -424,10 +428,9 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     split = regime_split(bw)
     # each pair kept its floor (ms/token at its own bandwidth, see _pair)
     ours_ff = lambda p: p["floor_ms"] / _ours_ms(p)  # noqa: E731
-    # the read-only step: the floor for its bytes at the pair's bandwidth over its time, and
-    # our step over it
-    read_mb = ours.weights_read_bytes / 1e6
-    read_ff = lambda p: read_mb / np.mean(p["bandwidth_gbps"]) / p["weights_read_ms"]  # noqa: E731
+    # the read-only step: its floor (kept in each pair, see _pair) over its time, and our step
+    # over it
+    read_ff = lambda p: p["read_floor_ms"] / p["weights_read_ms"]  # noqa: E731
     ours_over_read = lambda p: _ours_ms(p) / p["weights_read_ms"]  # noqa: E731
     every_pair = [p for c in ctxs for p in pairs[c]]
     rs = "read_stable"
