@@ -42,18 +42,23 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
-# float32 weights: each row step also prefetches the weights this many bytes ahead into L2.  On
-# top of the hardware prefetcher the GEMV alone read from DRAM a median 1.5 % (2304 x 768) and
-# 2.2 % (768 x 2048) faster, in every one of 16 rounds (single rounds up to 7 %, fast regime
-# too); 1.5 KiB ahead gained less and 6 KiB nothing.  With two rows per pass (``row_pairs``) it
-# was neutral, and for float16 weights it ran 5-25 % slower: those read without it.
-PREFETCH_BYTES = 3072
+# Each row step also prefetches the weights this many bytes ahead into L2, on top of the hardware
+# prefetcher.  float32: the GEMV alone read from DRAM a median 1.5 % (2304 x 768) and 2.2 %
+# (768 x 2048) faster, in every one of 16 rounds (single rounds up to 7 %); 1.5 KiB ahead gained
+# less and 6 KiB nothing; with two rows per pass (``row_pairs``) it was neutral; the 160M shape's
+# GEMVs in decode order ran within 1 % of no prefetch in the fast regime.  float16 (a row step
+# covers half the bytes): the 160M shape's GEMVs in decode order, with the machine's streaming
+# read at 70-80 GB/s, read 0.82 of it without the prefetch and 0.86-0.89 with 3-6 KiB (8 KiB:
+# 0.81, 12 KiB: 0.80), within 1 % at 40-45 GB/s; TinyLlama's 1.07x; the 160M decode step at 6 KiB
+# 1.05-1.10x faster at 55-80 GB/s and within 0.5 % below.
+PREFETCH_BYTES = {"float32": 3072, "float16": 4096}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
 
 def _macros(K: int, eps: float, wdt: str):
     KO, KT = K // (VL * KU), K % (VL * KU)
-    ahead = PREFETCH_BYTES // 4 if wdt == "float32" else 0  # elements; see PREFETCH_BYTES
+    esize = {"float32": 4, "float16": 2}[wdt]
+    ahead = PREFETCH_BYTES[wdt] // esize  # elements; see PREFETCH_BYTES
     lane_sum = lane_sum_macro(VL)
 
     @T.macro
@@ -93,12 +98,12 @@ def _macros(K: int, eps: float, wdt: str):
 
     @T.macro
     def prefetch(W, c, k):
-        """Prefetch the KU * VL float32 weights ``ahead`` elements past W[c, k] (rows are
+        """Prefetch the KU * VL weights ``ahead`` elements past W[c, k] (rows are
         contiguous, so past the row's end is the next row's start; past W's end is harmless)."""
         if ahead > 0:
             flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
-            for line in T.unroll(KU * VL * 4 // CACHE_LINE):
-                prefetch_l2(T.address_of(flat[c * K + k + line * (CACHE_LINE // 4) + ahead]))
+            for line in T.unroll(max(1, KU * VL * esize // CACHE_LINE)):
+                prefetch_l2(T.address_of(flat[c * K + k + line * (CACHE_LINE // esize) + ahead]))
 
     @T.macro
     def dot_row(xs, W, acc, R, r, c):
