@@ -49,8 +49,9 @@ X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1
 # GEMVs in decode order ran within 1 % of no prefetch in the fast regime.  float16 (a row step
 # covers half the bytes): the 160M shape's GEMVs in decode order, with the machine's streaming
 # read at 70-80 GB/s, read 0.82 of it without the prefetch and 0.86-0.89 with 3-6 KiB (8 KiB:
-# 0.81, 12 KiB: 0.80), within 1 % at 40-45 GB/s; TinyLlama's 1.07x; the 160M decode step at 6 KiB
-# 1.05-1.10x faster at 55-80 GB/s and within 0.5 % below.
+# 0.81, 12 KiB: 0.80), within 1 % at 40-45 GB/s; TinyLlama's 1.07x.  The 160M decode step at
+# 4 KiB, against none, at contexts 16 / 256 / 1024: 1.05-1.07x faster at 55-80 GB/s, 1.02-1.03x
+# below (30 alternating rounds; 6 KiB the same within 2 %).
 PREFETCH_BYTES = {"float32": 3072, "float16": 4096}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
