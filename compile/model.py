@@ -137,6 +137,16 @@ class _Builder:
                          [x, p["final_norm"], head], (1, v))
 
 
+def _per_call_inputs(n: int) -> dict:
+    """Function attributes marking the first ``n`` parameters as the per-call inputs and the rest
+    (pools, weights) as bound ones: the VM then checks the weights' types and shapes only inside
+    the kernels (every kernel checks its own arguments), not once more per call at the function's
+    entry (three packed calls per weight tensor: 225 of a decode step's 672 at the 160M shape, each
+    on a cache the step's weight stream has emptied; that step ran 1.02-1.03x faster at 55-80
+    GB/s without them, 1.00-1.02x below)."""
+    return {"num_input": n}
+
+
 def _pool_and_param_vars(spec: BuildSpec):
     cfg = spec.config
     nb = tirx.Var("num_blocks", "int64")
@@ -165,7 +175,8 @@ def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kernel
     rope, attn = ((k.rope_kv_write_decode_dev, k.paged_attention_decode_dev) if dev
                   else (k.rope_kv_write_decode, k.paged_attention_decode))
     attn_args = (rope(*geo), attn(*geo), [table, off, ctx], [table, ctx])
-    with bb.function("decode_dev" if dev else "decode", [token_ids, table, ctx, off, pools, params]):
+    with bb.function("decode_dev" if dev else "decode", [token_ids, table, ctx, off, pools, params],
+                     attrs=_per_call_inputs(4)):
         with bb.dataflow():
             logits = b.body(token_ids, 1, pools, params, attn_args)
             out = bb.emit_output(logits)
@@ -184,7 +195,8 @@ def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kerne
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
     attn_args = (k.rope_kv_write_prefill(*geo), k.paged_attention_prefill(*geo),
                  [table, start], [table, start])
-    with bb.function("prefill", [token_ids, table, start, pools, params]):
+    with bb.function("prefill", [token_ids, table, start, pools, params],
+                     attrs=_per_call_inputs(3)):
         with bb.dataflow():
             logits = b.body(token_ids, n, pools, params, attn_args)
             out = bb.emit_output(logits)

@@ -164,3 +164,26 @@ def test_token_outside_vocab_changes_nothing(tiny):
     with pytest.raises(InputError, match="outside the vocabulary"):
         session.realize_token(handle, artifact.manifest["vocab_size"])
     assert (handle.length, handle.blocks, pool.num_free, _block_bytes(pool, range(8))) == before
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_weight_of_another_shape_or_dtype_is_refused_by_its_kernel(tiny, change):
+    """The compiled functions leave the bound weights' checks to the kernels that read them
+    (``model._per_call_inputs``): a weight tuple with one wrong tensor still fails, naming the
+    kernel and its argument."""
+    artifact, weights = tiny
+    pool = make_pool(artifact, 8)
+    names = [p[0] for p in artifact.manifest["params"]]
+    i = names.index("layers.1.w_down")
+    w = weights.params[i]
+    bad_shape = (w.shape[0], w.shape[1] + 1) if change == "shape" else tuple(w.shape)
+    bad_dtype = "float64" if change == "dtype" else w.dtype
+    params = list(weights.params)
+    params[i] = tvm.runtime.tensor(np.zeros(bad_shape, bad_dtype))
+    table = tvm.runtime.tensor(np.zeros((1, artifact.max_blocks_cap), np.int32))
+    token = tvm.runtime.tensor(np.ones((1,), np.int32))
+    decode = artifact.new_vm()["decode"]
+    decode(token, table, 1, 0, tuple(pool.pools), tuple(weights.params))  # the bound ones run
+    refused = r"Mismatched W\.\w+ on argument #1 when calling:\s+`gemv_residual_"
+    with pytest.raises(Exception, match=refused):
+        decode(token, table, 1, 0, tuple(pool.pools), tuple(params))
