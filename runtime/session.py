@@ -129,6 +129,10 @@ class PagedDecodeSession:
         self._vm = artifact.new_vm()  # one VM per session: never shared between threads
         self._decode, self._prefill = self._vm["decode"], self._vm["prefill"]
         self._bound_pool, self._pools, self._params = pool, pool.pools, weights.params
+        # the same tensors as TVM containers, built once: a Python tuple is converted into one
+        # at every call (1.7 us for the 99 tensors of the 160M shape, warm; 0.13 us for these)
+        self._pools_arg, self._params_arg = (tvm.runtime.convert(self._pools),
+                                             tvm.runtime.convert(self._params))
         dev = artifact.device
         self._token = tvm.runtime.empty((1,), "int32", dev)
         self._table = tvm.runtime.empty((1, artifact.max_blocks_cap), "int32", dev)
@@ -210,7 +214,7 @@ class PagedDecodeSession:
             self._token_host[0] = token_id
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
-                                self._pools, self._params)
+                                self._pools_arg, self._params_arg)
         except BaseException:
             if snap is not None:
                 handle.restore(snap)
@@ -234,8 +238,8 @@ class PagedDecodeSession:
             self._table_of = (handle.seq_id, handle.version)
             self._upload()
             ids_t = tvm.runtime.tensor(ids, self.artifact.device)
-            logits = self._call("prefill", self._prefill, ids_t, self._table, start, self._pools,
-                                self._params)
+            logits = self._call("prefill", self._prefill, ids_t, self._table, start,
+                                self._pools_arg, self._params_arg)
         except BaseException:
             handle.restore(snap)
             raise
@@ -265,7 +269,7 @@ class PagedDecodeSession:
             self._token_host[0] = token_id
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, context_len,
-                                write_off, self._pools, self._params)
+                                write_off, self._pools_arg, self._params_arg)
         finally:
             self._bound_offset = None
         self.realize_count += 1
