@@ -50,8 +50,16 @@ CACHE_LINE = 64  # bytes
 
 def prefetch_l2(address):
     """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) into L2
-    (``llvm.prefetch``: read, locality 2); never faults, so it needs no bounds check."""
+    (``llvm.prefetch``: read, locality 2, ``prefetcht1``); never faults, so it needs no bounds
+    check."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
+def prefetch_nta(address):
+    """Hint the CPU to bring the cache line at ``address`` close to the core as data read once
+    (``llvm.prefetch``: read, locality 0, ``prefetchnta``); the core keeps such lines out of
+    the cache levels it would otherwise fill on their way in or out, as far as it can."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
 
 
 def lane_sum_macro(width: int):

@@ -32,7 +32,7 @@ from tvm.script import tirx as T
 
 from ..params import GATE_UP_ROWS
 from .common import (CACHE_LINE, VL, cached, claimed_units, dtype_tag, finalize, gate_up_rows,
-                     lane_slice, lane_sum_macro, prefetch_l2, scratch_buffer)
+                     lane_slice, lane_sum_macro, prefetch_nta, scratch_buffer)
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -42,17 +42,20 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
-# Each row step also prefetches the weights this many bytes ahead into L2, on top of the hardware
-# prefetcher.  float32: the GEMV alone read from DRAM a median 1.5 % (2304 x 768) and 2.2 %
-# (768 x 2048) faster, in every one of 16 rounds (single rounds up to 7 %); 1.5 KiB ahead gained
-# less and 6 KiB nothing; with two rows per pass (``row_pairs``) it was neutral; the 160M shape's
-# GEMVs in decode order ran within 1 % of no prefetch in the fast regime.  float16 (a row step
-# covers half the bytes): the 160M shape's GEMVs in decode order, with the machine's streaming
-# read at 70-80 GB/s, read 0.82 of it without the prefetch and 0.86-0.89 with 3-6 KiB (8 KiB:
-# 0.81, 12 KiB: 0.80), within 1 % at 40-45 GB/s; TinyLlama's 1.07x.  The 160M decode step at
-# 4 KiB, against none, at contexts 16 / 256 / 1024: 1.05-1.07x faster at 55-80 GB/s, 1.02-1.03x
-# below (30 alternating rounds; 6 KiB the same within 2 %).
-PREFETCH_BYTES = {"float32": 3072, "float16": 4096}
+# Each row step also prefetches the weights this many bytes ahead, on top of the hardware
+# prefetcher, as data read once (``prefetch_nta``).  Into L2 (``prefetch_l2``), float32 3 KiB
+# ahead gained 1.5-2.2 % on a GEMV alone from DRAM, and float16 4 KiB ahead took the 160M
+# decode step 1.05-1.07x faster at 55-80 GB/s (1.02-1.03x below) against no prefetch.  The
+# non-temporal prefetch at these distances, against those, whole decode steps in alternating
+# rounds (Zen 5, 16 rounds at 160M, 8 at 1.1B; fast regime = streaming read >= 55 GB/s): 160M
+# float16 0.945-0.970 of the time in the fast regime (floor fraction 0.87 -> 0.92 at context
+# 16), 0.96-1.00 below; 160M float32 0.944-0.955 fast (0.89 -> 0.94), 0.96-0.97 below;
+# TinyLlama float16 0.973-0.980 (fast); TinyLlama float32 0.99-1.00 (slow regime only).  The
+# distances with it: float16 4 / 6 / 8 / 12 KiB within 3 % of each other (6 and 8 the best at 160M, 6 at 1.1B);
+# float32 1.5 KiB 1-2 % better than 3 KiB at both shapes (TinyLlama float32 at 3 KiB: 1-4 %
+# slower than the L2 prefetch).  ``prefetcht0`` did as well as non-temporal at 160M float16 but
+# 2 % worse at TinyLlama float32.
+PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
 
@@ -104,7 +107,7 @@ def _macros(K: int, eps: float, wdt: str):
         if ahead > 0:
             flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
             for line in T.unroll(max(1, KU * VL * esize // CACHE_LINE)):
-                prefetch_l2(T.address_of(flat[c * K + k + line * (CACHE_LINE // esize) + ahead]))
+                prefetch_nta(T.address_of(flat[c * K + k + line * (CACHE_LINE // esize) + ahead]))
 
     @T.macro
     def dot_row(xs, W, acc, R, r, c):
