@@ -2,18 +2,33 @@
 
 Buffers: src (CHUNKS, n_rows, ROW) float32 -> partial (CHUNKS, VL) float32 (a sum per chunk, so
 the reads cannot be optimised away).  Each parallel chunk is one long contiguous region read
-front to back with ``KU`` independent accumulators, the access pattern of the decode GEMVs.
+front to back with ``KU`` independent accumulators, the access pattern of the decode GEMVs, and
+like them with a software prefetch ahead of the reads (``PREFETCH_BYTES``).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, finalize, scratch_buffer
+from .common import CACHE_LINE, VL, finalize, prefetch_nta, scratch_buffer
 
 ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores
 KU = 4
+# Each step of ``KU * VL`` words also prefetches its cache lines this many bytes ahead as data
+# read once, as the GEMVs do (``gemv.PREFETCH_BYTES``): without it, a 512 MiB read on Zen 5 at
+# 50-55 GB/s ran a median 1.039x slower (1.014-1.083, 12 alternating rounds; 1.5 KiB ahead
+# 1.028x, 8 KiB 1.036x, 4 KiB into L2 0.99x), and the floor it gives was that much too low.
+PREFETCH_BYTES = 4096
+_STEP_LINES = KU * VL * 4 // CACHE_LINE  # cache lines per step (4-byte words)
+
+
+@T.macro
+def _prefetch(flat, i):
+    """Prefetch the cache lines of the step at word ``i`` of ``flat``, ``PREFETCH_BYTES`` ahead
+    (past the buffer's end is harmless: a prefetch never faults)."""
+    for line in T.unroll(_STEP_LINES):
+        prefetch_nta(T.address_of(flat[i + line * (CACHE_LINE // 4) + PREFETCH_BYTES // 4]))
 
 
 def stream_read(n_rows: int):
@@ -27,7 +42,9 @@ def stream_read(n_rows: int):
                 acc = scratch_buffer((KU, VL))
                 for u, v in T.grid(KU, VL):
                     acc[u, v] = T.float32(0)
+                flat = T.decl_buffer((CHUNKS * n_rows * ROW,), "float32", data=src.data)
                 for r, ko in T.grid(n_rows, ROW // (VL * KU)):
+                    _prefetch(flat, (c * n_rows + r) * ROW + ko * KU * VL)
                     for u in T.unroll(KU):
                         for v in T.vectorized(VL):
                             acc[u, v] = acc[u, v] + src[c, r, (ko * KU + u) * VL + v]
@@ -55,6 +72,7 @@ def stream_words(n: int):
                 for u, v in T.grid(KU, VL):
                     acc[u, v] = 0
                 for ko in range(body // (VL * KU)):
+                    _prefetch(src, c * per + ko * KU * VL)
                     for u in T.unroll(KU):
                         for v in T.vectorized(VL):
                             acc[u, v] = acc[u, v] + src[c * per + (ko * KU + u) * VL + v]
