@@ -56,9 +56,9 @@ def prefetch_l2(address):
 
 
 def prefetch_nta(address):
-    """Hint the CPU to bring the cache line at ``address`` close to the core as data read once
-    (``llvm.prefetch``: read, locality 0, ``prefetchnta``); the core keeps such lines out of
-    the cache levels it would otherwise fill on their way in or out, as far as it can."""
+    """Hint the CPU to bring the cache line at ``address`` close to the core as data used once
+    (``llvm.prefetch``: read, locality 0, ``prefetchnta``; where the line goes, and how it is
+    kept from crowding out other data, is up to the CPU); never faults."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
 
 

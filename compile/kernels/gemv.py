@@ -48,13 +48,16 @@ X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1
 # decode step 1.05-1.07x faster at 55-80 GB/s (1.02-1.03x below) against no prefetch.  The
 # non-temporal prefetch at these distances, against those, whole decode steps in alternating
 # rounds (Zen 5, 16 rounds at 160M, 8 at 1.1B; fast regime = streaming read >= 55 GB/s): 160M
-# float16 0.945-0.970 of the time in the fast regime (floor fraction 0.87 -> 0.92 at context
-# 16), 0.96-1.00 below; 160M float32 0.944-0.955 fast (0.89 -> 0.94), 0.96-0.97 below;
-# TinyLlama float16 0.973-0.980 (fast); TinyLlama float32 0.99-1.00 (slow regime only).  The
-# distances with it: float16 4 / 6 / 8 / 12 KiB within 3 % of each other (6 and 8 the best at 160M, 6 at 1.1B);
-# float32 1.5 KiB 1-2 % better than 3 KiB at both shapes (TinyLlama float32 at 3 KiB: 1-4 %
-# slower than the L2 prefetch).  ``prefetcht0`` did as well as non-temporal at 160M float16 but
-# 2 % worse at TinyLlama float32.
+# float16 0.945-0.970 of the time in the fast regime (floor fraction at context 16, against
+# the streaming read before it prefetched too, 0.87 -> 0.92), 0.96-1.00 below; 160M float32
+# 0.944-0.955 fast (0.89 -> 0.94), 0.96-0.97 below; TinyLlama float16 0.973-0.980 (fast);
+# TinyLlama float32 0.99-1.00 (slow regime only).  The distances with it: float16 4 / 6 / 8 /
+# 12 KiB within 3 % of each other (6 and 8 the best at 160M, 6 at 1.1B); float32 1.5 KiB 1-2 %
+# better than 3 KiB at both shapes (TinyLlama float32 at 3 KiB: 1-4 % slower than the L2
+# prefetch).  ``prefetcht0`` did as well as non-temporal at 160M float16 but 2 % worse at
+# TinyLlama float32.  Also measured, not kept: KU = 8 (160M float16 steps 1.03x slower, float32
+# within 1 %), the same prefetch in the two-row pass (``row_pairs``: TinyLlama float32 within
+# 1 %), and non-temporal prefetches in decode attention (within 1 %).
 PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
