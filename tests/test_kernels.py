@@ -128,7 +128,8 @@ def test_paged_attention_sixteen_row_blocks(cdt, hq, hkv, d):
 
 @pytest.mark.parametrize("cdt", ["float32", "float16"])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(12, 12, 64, 16), (32, 4, 64, 16), (4, 2, 128, 16),
-                                         (12, 12, 64, 64), (32, 4, 64, 32), (32, 4, 64, 64)])
+                                         (12, 12, 64, 64), (32, 4, 64, 32), (32, 4, 64, 64),
+                                         (9, 3, 64, 64)])
 def test_paged_attention_decode_split_over_blocks(cdt, hq, hkv, d, bs):
     """Long contexts, where decode splits the blocks among parallel parts and merges their
     softmax states: one block (one part) where that is long enough for the parallel path, two
