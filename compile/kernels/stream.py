@@ -16,9 +16,10 @@ ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores
 KU = 4
 # Each step of ``KU * VL`` words also prefetches its cache lines this many bytes ahead as data
-# read once, as the GEMVs do (``gemv.PREFETCH_BYTES``): without it, a 512 MiB read on Zen 5 at
-# 50-55 GB/s ran a median 1.039x slower (1.014-1.083, 12 alternating rounds; 1.5 KiB ahead
-# 1.028x, 8 KiB 1.036x, 4 KiB into L2 0.99x), and the floor it gives was that much too low.
+# read once, as the GEMVs do (``gemv.PREFETCH_BYTES``): a 512 MiB read on Zen 5 at 50-55 GB/s
+# ran a median 1.039x faster with it than without (1.014-1.083, 12 alternating rounds; 1.5 KiB
+# ahead 1.028x, 8 KiB 1.036x, 4 KiB into L2 0.99x), so the floor taken without it was that
+# much too low.
 PREFETCH_BYTES = 4096
 _STEP_LINES = KU * VL * 4 // CACHE_LINE  # cache lines per step (4-byte words)
 
