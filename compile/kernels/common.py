@@ -62,6 +62,24 @@ def prefetch_nta(address):
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
 
 
+def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
+    """``prefetch(flat, i)``: ``prefetch_nta`` each cache line of the ``step_elems`` elements of
+    ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the streaming kernels' software prefetch,
+    issued once per step of their read loop; past the buffer's end is harmless: a prefetch never
+    faults).  ``ahead_bytes`` 0: no prefetch."""
+    esize = np.dtype(dtype).itemsize
+    lines = max(1, step_elems * esize // CACHE_LINE)
+    per_line, ahead = CACHE_LINE // esize, ahead_bytes // esize  # elements
+
+    @T.macro
+    def prefetch(flat, i):
+        if ahead > 0:
+            for line in T.unroll(lines):
+                prefetch_nta(T.address_of(flat[i + line * per_line + ahead]))
+
+    return prefetch
+
+
 def lane_sum_macro(width: int):
     """``lane_sum(buf, r)``: buf[r, 0] = sum of buf[r, 0:width] (``width`` a power of two), by
     vector halving down to 4 lanes, then scalar adds (LLVM lowers 2- and 1-lane vector steps

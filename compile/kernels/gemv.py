@@ -31,8 +31,8 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from ..params import GATE_UP_ROWS
-from .common import (CACHE_LINE, VL, cached, claimed_units, dtype_tag, finalize, gate_up_rows,
-                     lane_slice, lane_sum_macro, prefetch_nta, scratch_buffer)
+from .common import (VL, cached, claimed_units, dtype_tag, finalize, gate_up_rows,
+                     lane_slice, lane_sum_macro, prefetch_ahead_macro, scratch_buffer)
 from .fastmath import fexp
 from .signatures import gemv_func
 
@@ -64,8 +64,7 @@ RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) togethe
 
 def _macros(K: int, eps: float, wdt: str):
     KO, KT = K // (VL * KU), K % (VL * KU)
-    esize = {"float32": 4, "float16": 2}[wdt]
-    ahead = PREFETCH_BYTES[wdt] // esize  # elements; see PREFETCH_BYTES
+    step_prefetch = prefetch_ahead_macro(KU * VL, wdt, PREFETCH_BYTES[wdt])
     lane_sum = lane_sum_macro(VL)
 
     @T.macro
@@ -105,12 +104,10 @@ def _macros(K: int, eps: float, wdt: str):
 
     @T.macro
     def prefetch(W, c, k):
-        """Prefetch the KU * VL weights ``ahead`` elements past W[c, k] (rows are
-        contiguous, so past the row's end is the next row's start; past W's end is harmless)."""
-        if ahead > 0:
-            flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
-            for line in T.unroll(max(1, KU * VL * esize // CACHE_LINE)):
-                prefetch_nta(T.address_of(flat[c * K + k + line * (CACHE_LINE // esize) + ahead]))
+        """Prefetch the KU * VL weights ``PREFETCH_BYTES`` past W[c, k] (rows are contiguous, so
+        past the row's end is the next row's start; past W's end is harmless)."""
+        flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
+        step_prefetch(flat, c * K + k)
 
     @T.macro
     def dot_row(xs, W, acc, R, r, c):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import CACHE_LINE, VL, finalize, prefetch_nta, scratch_buffer
+from .common import VL, finalize, prefetch_ahead_macro, scratch_buffer
 
 ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores
@@ -21,15 +21,7 @@ KU = 4
 # ahead 1.028x, 8 KiB 1.036x, 4 KiB into L2 0.99x), so the floor taken without it was that
 # much too low.
 PREFETCH_BYTES = 4096
-_STEP_LINES = KU * VL * 4 // CACHE_LINE  # cache lines per step (4-byte words)
-
-
-@T.macro
-def _prefetch(flat, i):
-    """Prefetch the cache lines of the step at word ``i`` of ``flat``, ``PREFETCH_BYTES`` ahead
-    (past the buffer's end is harmless: a prefetch never faults)."""
-    for line in T.unroll(_STEP_LINES):
-        prefetch_nta(T.address_of(flat[i + line * (CACHE_LINE // 4) + PREFETCH_BYTES // 4]))
+_prefetch = prefetch_ahead_macro(KU * VL, "float32", PREFETCH_BYTES)  # 4-byte words either way
 
 
 def stream_read(n_rows: int):
