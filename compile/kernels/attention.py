@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -79,13 +80,20 @@ SCORE_FLOATS, SCORE_CHAINS = 192, 8
 # faster, identity 2-4 % slower): not kept.  Longer blocks (``TargetSpec.default_block_size``)
 # are what shortens a scattered table's restarts.
 PART_ROWS, MAX_PARTS = 128, 16
-# The grouped step prefetches the K / V of the block PREFETCH_BLOCKS ahead in the table into L2,
-# all at once at the block's start (TinyLlama's shape, context 1024: that block's compute hides
-# the burst).  One query head per kv head prefetches no future block: with a lane's runs a block
-# of every head long the hardware prefetcher follows them, and the per-row prefetches of the
-# future block that paid off when a lane read 4 KiB runs (1.6-1.8x) made the whole step 1.018x
-# slower (it prefetches within the run instead, float32 only: ``ROW_PREFETCH_BYTES``).
-PREFETCH_BLOCKS = 2
+# No step prefetches whole future blocks.  The grouped step did (the block two ahead in the
+# table, into L2, at the block's start), but against none it made the whole decode step at
+# context 1024 no faster at TinyLlama's shape (f16 / f32: 1.003 / 1.002, 8 alternating rounds at
+# ~53 GB/s) and slower at SmolLM2's (3 query heads per kv head: 1.040 f16, 1.018 f32); decode
+# attention alone, cold, SmolLM2's shape: 1.27x slower on an identity table, 1.12x on a scattered
+# one.  With a lane's runs a block of every head long the hardware prefetcher follows a run; what
+# it cannot follow is a jump to a block elsewhere in the pool.  So with one query head per kv head
+# a lane, at the start of each block whose successor in the table is not the physically next
+# block, prefetches the first JUMP_PREFETCH_BYTES of that successor's K and V runs into L2: the
+# 160M shape, float16, context 1024, scattered over identity table 1.028-1.030 -> 1.018-1.021
+# (8-10 alternating rounds, the identity step unchanged: 5.05 / 5.05 ms), float32 1.006 -> 1.003;
+# 1-4 KiB, issued at the block's first, middle or last head, within 0.004 of each other.  With
+# 3 query heads per kv head it gained nothing (1.073 -> 1.070-1.074): not issued there.
+JUMP_PREFETCH_BYTES = 2048
 # One query head per kv head, float32 cache: reading a head's K (one dim of the block at a time)
 # or V (one row at a time) also prefetches this many bytes ahead in the run into L2 (the GEMVs'
 # software prefetch, at a shorter distance).  Measured with K rows read row by row, attention
@@ -110,7 +118,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
     DV = cvt_width(D, cdt)
     CW = cvt_width(bs, cdt)  # rows per vector of scores
-    per_line = CACHE_LINE // {"float32": 4, "float16": 2}[cdt]  # elements per cache line
+    per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
     ahead = ROW_PREFETCH_BYTES // 4 if cdt == "float32" else 0  # elements; see there
     # Query heads whose scores (GQ x bs, KP partial sums each) accumulate in registers while
     # one K column of the block is read; KP partial sums per score give at least SCORE_CHAINS
@@ -126,16 +134,6 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
 
     def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
         return T.Cast("int64", bt[0, b])
-
-    @T.macro
-    def prefetch_block(k_pool, v_pool, bt, kvh, b, n_blocks):
-        """Prefetch the K and V rows of head ``kvh`` in the block ``b`` of the table, if any."""
-        if b < n_blocks:
-            for line in range(-(-(bs * D) // per_line)):
-                prefetch_l2(T.address_of(k_pool[block(bt, b), kvh,
-                                                line * per_line // D, line * per_line % D]))
-                prefetch_l2(T.address_of(v_pool[block(bt, b), kvh,
-                                                line * per_line // D, line * per_line % D]))
 
     @T.macro
     def init(acc, st):
@@ -270,7 +268,6 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         scratch once per lane: from 256 scores on (16 query heads per kv head with 16-token
         blocks, 8 with 32-token ones) ``s`` is 1 KiB or more, which TVM heap-allocates at every
         entry of the loop that declares it (once per lane here, per task in prefill)."""
-        prefetch_block(k_pool, v_pool, bt, kvh, b + PREFETCH_BLOCKS, (ctx + bs - 1) // bs)
         for gq in range(G // GQ):  # q.K: each K column read once per GQ heads
             scores(q, k_pool, bt, row, kvh, gq * GQ, b, ctx, R, s)
         # the online-softmax update, vectorised over the query heads
@@ -344,6 +341,23 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             for d in T.vectorized(D):
                 out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
 
+    jump_lines = JUMP_PREFETCH_BYTES // CACHE_LINE if G == 1 else 0
+    per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
+
+    @T.macro
+    def prefetch_jump(k_pool, v_pool, bt, b, n_blocks):
+        """Where the table jumps after block ``b`` (the next entry is not the physically next
+        block), prefetch the first JUMP_PREFETCH_BYTES of the next block's K and V runs."""
+        if jump_lines > 0:
+            if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
+                k_flat = T.decl_buffer((1 << 62,), cdt, data=k_pool.data)
+                v_flat = T.decl_buffer((1 << 62,), cdt, data=v_pool.data)
+                for line in T.unroll(jump_lines):
+                    prefetch_l2(T.address_of(k_flat[T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
+                                                    + line * per_line]))
+                    prefetch_l2(T.address_of(v_flat[T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
+                                                    + line * per_line]))
+
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
         assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
@@ -361,6 +375,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
                     init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                          lane_slice(st_p, p * Hkv + kvh, st_shape))
                 for b in range(p * n_blocks // parts, (p + 1) * n_blocks // parts):
+                    prefetch_jump(k_pool, v_pool, bt, b, n_blocks)
                     for kvh in range(Hkv):
                         step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
                              lane_slice(acc_p, p * Hkv + kvh, acc_shape),
