@@ -33,7 +33,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .common import (CACHE_LINE, STACK_BYTES, cached, dtype_tag, finalize, k_block_view,
-                     lane_slice, pick_tile, prefetch_l2, scratch_buffer)
+                     lane_slice, pick_tile, prefetch_nta, scratch_buffer)
 from .fastmath import fexp
 from .linear import token_dim
 
@@ -80,29 +80,25 @@ SCORE_FLOATS, SCORE_CHAINS = 192, 8
 # faster, identity 2-4 % slower): not kept.  Longer blocks (``TargetSpec.default_block_size``)
 # are what shortens a scattered table's restarts.
 PART_ROWS, MAX_PARTS = 128, 16
-# No step prefetches whole future blocks.  The grouped step did (the block two ahead in the
-# table, into L2, at the block's start), but against none it made the whole decode step at
-# context 1024 no faster at TinyLlama's shape (f16 / f32: 1.003 / 1.002, 8 alternating rounds at
-# ~53 GB/s) and slower at SmolLM2's (3 query heads per kv head: 1.040 f16, 1.018 f32); decode
-# attention alone, cold, SmolLM2's shape: 1.27x slower on an identity table, 1.12x on a scattered
-# one.  With a lane's runs a block of every head long the hardware prefetcher follows a run; what
-# it cannot follow is a jump to a block elsewhere in the pool.  So with one query head per kv head
-# a lane, at the start of each block whose successor in the table is not the physically next
-# block, prefetches the first JUMP_PREFETCH_BYTES of that successor's K and V runs into L2: the
-# 160M shape, float16, context 1024, scattered over identity table 1.028-1.030 -> 1.018-1.021
-# (8-10 alternating rounds, the identity step unchanged: 5.05 / 5.05 ms), float32 1.006 -> 1.003;
-# 1-4 KiB, issued at the block's first, middle or last head, within 0.004 of each other.  With
-# 3 query heads per kv head it gained nothing (1.073 -> 1.070-1.074): not issued there.
-JUMP_PREFETCH_BYTES = 2048
-# One query head per kv head, float32 cache: reading a head's K (one dim of the block at a time)
-# or V (one row at a time) also prefetches this many bytes ahead in the run into L2 (the GEMVs'
-# software prefetch, at a shorter distance).  Measured with K rows read row by row, attention
-# alone at the 160M shape, context 1024, 32-token blocks, against none: an identity table
-# 1.13-1.2x faster, a scattered one 1.05-1.15x, with the machine's read at 37-92 GB/s (the whole
-# step 0.975 of its time on either); 3 KiB ahead gained as much except at 92 GB/s (1.03), 6 KiB
-# less.  A float16 cache ran 1.2-1.7x slower with it.  Prefill and the short-context path run
-# the same step head by head, where a prefetch past a head's run fetches the next head's early.
-ROW_PREFETCH_BYTES = 1536
+# Decode attention prefetches in software, as data read once (``prefetch_nta``, as the GEMVs
+# do), along the block table: reading a head's K (one dim of the block at a time) or V (one row at
+# a time), the lines ROW_PREFETCH_BYTES further on in the run; and at the start of each block whose
+# successor in the table is not the physically next block, the successor's first
+# JUMP_PREFETCH_BYTES of K and of V (the in-run prefetch, past the block's end, fetches the
+# physically next block instead: right for an identity table, harmless otherwise).  The hardware
+# prefetcher follows a run but restarts at every jump, and with 3 kv heads (SmolLM2) a 64-token
+# block is a run of only 24 KiB in float16: there, context 1024, scattered over identity table
+# 1.077 -> 1.026 (6 alternating rounds, the identity step 1.002 of its time, 6.17 / 6.20 ms).  The
+# 160M shape, float32: identity steps at context 1024 0.961 (fast regime) / 0.988 (slow) of the
+# time against prefetching 1.5 KiB ahead into L2, float32 only, as before; float16 paged /
+# contiguous 1.022 -> 1.012 against a 2 KiB L2 prefetch at jumps only.  Elsewhere (TinyLlama's
+# shape, SmolLM2's in float32, the 160M shape's float16 identity steps, prefill) within the
+# +-2 % that repeated runs of one build scatter by.  Into L2 a float16 cache had run 1.2-1.7x
+# slower with it; 16 KiB at jumps was worse than 2-8 KiB.  Prefetching whole blocks ahead
+# (the grouped step did: the block two ahead, into L2, at the block's start) made the step no
+# faster at TinyLlama's shape (1.003 / 1.002 at context 1024) and slower at SmolLM2's (1.040 f16,
+# 1.018 f32); decode attention alone, cold, at SmolLM2's: 1.27x slower on an identity table.
+ROW_PREFETCH_BYTES = JUMP_PREFETCH_BYTES = 4096
 
 
 def cvt_width(n: int, cdt: str) -> int:
@@ -119,7 +115,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     DV = cvt_width(D, cdt)
     CW = cvt_width(bs, cdt)  # rows per vector of scores
     per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
-    ahead = ROW_PREFETCH_BYTES // 4 if cdt == "float32" else 0  # elements; see there
+    ahead = ROW_PREFETCH_BYTES // np.dtype(cdt).itemsize  # elements; see there
     # Query heads whose scores (GQ x bs, KP partial sums each) accumulate in registers while
     # one K column of the block is read; KP partial sums per score give at least SCORE_CHAINS
     # independent vector chains.  The s.V sums (GV x D) of GV heads accumulate in stack scratch
@@ -152,14 +148,13 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
 
     @T.macro
     def prefetch_run(pool, bt, kvh, b, o, n):
-        """Prefetch (float32) the ``n`` elements ``ahead`` past element ``o`` of kv head
-        ``kvh``'s run in table entry ``b``: past the head's run it is the next head's, past the
-        block another block (unused where the table scatters, and never a fault)."""
-        if ahead > 0:
-            flat = T.decl_buffer((1 << 62,), cdt, data=pool.data)
-            for line in T.unroll(-(-n // per_line)):
-                prefetch_l2(T.address_of(
-                    flat[(block(bt, b) * Hkv + kvh) * bs * D + o + ahead + line * per_line]))
+        """Prefetch the ``n`` elements ``ahead`` past element ``o`` of kv head ``kvh``'s run in
+        table entry ``b``: past the head's run it is the next head's, past the block the
+        physically next block (unused where the table jumps, and never a fault)."""
+        flat = T.decl_buffer((1 << 62,), cdt, data=pool.data)
+        for line in T.unroll(-(-n // per_line)):
+            prefetch_nta(T.address_of(
+                flat[(block(bt, b) * Hkv + kvh) * bs * D + o + ahead + line * per_line]))
 
     def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx
         return T.Cast("int64", t) < ctx - b * bs
@@ -180,8 +175,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for v in T.vectorized(CW):
                 R[kp, gi, tc * CW + v] = T.float32(0)
         for dd in range(D // KP):
-            if G == 1:  # the grouped step prefetches whole blocks ahead instead
-                prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, KP * bs)
+            prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, KP * bs)
             for kp in T.unroll(KP):
                 for tc in T.unroll(bs // CW):
                     for gi in T.unroll(GQ):
@@ -198,8 +192,8 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     @T.macro
     def sv_update(v_pool, bt, kvh, b, ctx, s, acc, st):
         """acc[g] = acc[g] * st[3, g] + s[:, g] . V for every query head g of kv head ``kvh``,
-        over block ``b``'s rows in the context: a V row read once per GV heads (one query head
-        per kv head: with the float32 row prefetch)."""
+        over block ``b``'s rows in the context: a V row read once per GV heads, prefetching
+        ``ahead`` in the run."""
         if v_scratch:
             for gv in range(G // GV):
                 a = scratch_buffer((GV, D))
@@ -207,8 +201,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                     for v in T.vectorized(DV):
                         a[gi, do * DV + v] = T.float32(0)
                 for t in range(T.min(bs, ctx - b * bs)):
-                    if G == 1:
-                        prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                    prefetch_run(v_pool, bt, kvh, b, t * D, D)
                     for do in T.unroll(D // DV):
                         for gi in T.unroll(GV):
                             for v in T.vectorized(DV):
@@ -225,8 +218,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for d in T.vectorized(D):
                     acc[g, d] = acc[g, d] * st[3, g]
             for t in range(T.min(bs, ctx - b * bs)):
-                if G == 1:
-                    prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                prefetch_run(v_pool, bt, kvh, b, t * D, D)
                 for g in range(G):
                     for d in T.vectorized(D):
                         acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
@@ -341,22 +333,20 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             for d in T.vectorized(D):
                 out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
 
-    jump_lines = JUMP_PREFETCH_BYTES // CACHE_LINE if G == 1 else 0
+    jump_lines = JUMP_PREFETCH_BYTES // CACHE_LINE
     per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
 
     @T.macro
     def prefetch_jump(k_pool, v_pool, bt, b, n_blocks):
         """Where the table jumps after block ``b`` (the next entry is not the physically next
         block), prefetch the first JUMP_PREFETCH_BYTES of the next block's K and V runs."""
-        if jump_lines > 0:
-            if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
-                k_flat = T.decl_buffer((1 << 62,), cdt, data=k_pool.data)
-                v_flat = T.decl_buffer((1 << 62,), cdt, data=v_pool.data)
-                for line in T.unroll(jump_lines):
-                    prefetch_l2(T.address_of(k_flat[T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
-                                                    + line * per_line]))
-                    prefetch_l2(T.address_of(v_flat[T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
-                                                    + line * per_line]))
+        if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
+            k_flat = T.decl_buffer((1 << 62,), cdt, data=k_pool.data)
+            v_flat = T.decl_buffer((1 << 62,), cdt, data=v_pool.data)
+            start = T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
+            for line in T.unroll(jump_lines):
+                prefetch_nta(T.address_of(k_flat[start + line * per_line]))
+                prefetch_nta(T.address_of(v_flat[start + line * per_line]))
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):

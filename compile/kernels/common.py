@@ -48,17 +48,11 @@ def gate_up_rows(inter: int):
 CACHE_LINE = 64  # bytes
 
 
-def prefetch_l2(address):
-    """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) into L2
-    (``llvm.prefetch``: read, locality 2, ``prefetcht1``); never faults, so it needs no bounds
-    check."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
-
-
 def prefetch_nta(address):
-    """Hint the CPU to bring the cache line at ``address`` close to the core as data used once
-    (``llvm.prefetch``: read, locality 0, ``prefetchnta``; where the line goes, and how it is
-    kept from crowding out other data, is up to the CPU); never faults."""
+    """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) close to
+    the core as data used once (``llvm.prefetch``: read, locality 0, ``prefetchnta``; where the
+    line goes, and how it is kept from crowding out other data, is up to the CPU); never faults,
+    so it needs no bounds check."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
 
 

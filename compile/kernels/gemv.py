@@ -43,7 +43,7 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
 # Each row step also prefetches the weights this many bytes ahead, on top of the hardware
-# prefetcher, as data read once (``prefetch_nta``).  Into L2 (``prefetch_l2``), float32 3 KiB
+# prefetcher, as data read once (``prefetch_nta``).  Into L2 (``prefetcht1``), float32 3 KiB
 # ahead gained 1.5-2.2 % on a GEMV alone from DRAM, and float16 4 KiB ahead took the 160M
 # decode step 1.05-1.07x faster at 55-80 GB/s (1.02-1.03x below) against no prefetch.  The
 # non-temporal prefetch at these distances, against those, whole decode steps in alternating
