@@ -336,6 +336,10 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     jump_lines = JUMP_PREFETCH_BYTES // CACHE_LINE
     per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
 
+    def next_start(bt, b):  # element offset of the block after ``b`` in the table (an
+        # expression: a scalar assigned in the parallel loop would be heap scratch)
+        return T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
+
     @T.macro
     def prefetch_jump(k_pool, v_pool, bt, b, n_blocks):
         """Where the table jumps after block ``b`` (the next entry is not the physically next
@@ -343,10 +347,9 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
         if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
             k_flat = T.decl_buffer((1 << 62,), cdt, data=k_pool.data)
             v_flat = T.decl_buffer((1 << 62,), cdt, data=v_pool.data)
-            start = T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
             for line in T.unroll(jump_lines):
-                prefetch_nta(T.address_of(k_flat[start + line * per_line]))
-                prefetch_nta(T.address_of(v_flat[start + line * per_line]))
+                prefetch_nta(T.address_of(k_flat[next_start(bt, b) + line * per_line]))
+                prefetch_nta(T.address_of(v_flat[next_start(bt, b) + line * per_line]))
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
