@@ -32,8 +32,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import (CACHE_LINE, STACK_BYTES, cached, dtype_tag, finalize, k_block_view,
-                     lane_slice, pick_tile, prefetch_nta, scratch_buffer)
+from .common import (STACK_BYTES, cached, dtype_tag, finalize, k_block_view, lane_slice,
+                     pick_tile, prefetch_ahead_macro, scratch_buffer)
 from .fastmath import fexp
 from .linear import token_dim
 
@@ -101,6 +101,12 @@ PART_ROWS, MAX_PARTS = 128, 16
 ROW_PREFETCH_BYTES = JUMP_PREFETCH_BYTES = 4096
 
 
+def pool_flat(pool):
+    """A K or V pool as one flat run of elements (its blocks one after the other), for the
+    prefetches' addresses."""
+    return T.decl_buffer((1 << 62,), pool.dtype, data=pool.data)
+
+
 def cvt_width(n: int, cdt: str) -> int:
     """Lanes per vector that reads ``cdt`` as float32: 8 for float16 (``vcvtph2ps`` into a
     256-bit register converts twice as many elements per cycle as into a 512-bit one on Zen 4:
@@ -114,8 +120,6 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
     DV = cvt_width(D, cdt)
     CW = cvt_width(bs, cdt)  # rows per vector of scores
-    per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
-    ahead = ROW_PREFETCH_BYTES // np.dtype(cdt).itemsize  # elements; see there
     # Query heads whose scores (GQ x bs, KP partial sums each) accumulate in registers while
     # one K column of the block is read; KP partial sums per score give at least SCORE_CHAINS
     # independent vector chains.  The s.V sums (GV x D) of GV heads accumulate in stack scratch
@@ -127,6 +131,9 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     GV = max(d for d in range(1, SV_HEADS + 1)
              if G % d == 0 and (d == 1 or d * D * 4 < STACK_BYTES))
     v_scratch = GV * D * 4 < STACK_BYTES
+    # the in-run prefetch of one K column step (KP dims of the block's rows) and of one V row
+    k_ahead = prefetch_ahead_macro(KP * bs, cdt, ROW_PREFETCH_BYTES)
+    v_ahead = prefetch_ahead_macro(D, cdt, ROW_PREFETCH_BYTES)
 
     def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
         return T.Cast("int64", bt[0, b])
@@ -146,15 +153,17 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for d in T.vectorized(D):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
 
+    def run_start(bt, kvh, b):  # element offset of kv head ``kvh``'s run in table entry ``b``
+        return (block(bt, b) * Hkv + kvh) * bs * D
+
     @T.macro
-    def prefetch_run(pool, bt, kvh, b, o, n):
-        """Prefetch the ``n`` elements ``ahead`` past element ``o`` of kv head ``kvh``'s run in
-        table entry ``b``: past the head's run it is the next head's, past the block the
-        physically next block (unused where the table jumps, and never a fault)."""
-        flat = T.decl_buffer((1 << 62,), cdt, data=pool.data)
-        for line in T.unroll(-(-n // per_line)):
-            prefetch_nta(T.address_of(
-                flat[(block(bt, b) * Hkv + kvh) * bs * D + o + ahead + line * per_line]))
+    def prefetch_run(pool, bt, kvh, b, o, ahead):
+        """``ahead``, one of ``k_ahead`` (a K column step) and ``v_ahead`` (a V row), at element
+        ``o`` of kv head ``kvh``'s run in table entry ``b``: past the head's run it prefetches the
+        next head's, past the block the physically next block (unused where the table jumps, and
+        never a fault)."""
+        flat = pool_flat(pool)
+        ahead(flat, run_start(bt, kvh, b) + o)
 
     def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx
         return T.Cast("int64", t) < ctx - b * bs
@@ -175,7 +184,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for v in T.vectorized(CW):
                 R[kp, gi, tc * CW + v] = T.float32(0)
         for dd in range(D // KP):
-            prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, KP * bs)
+            prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, k_ahead)
             for kp in T.unroll(KP):
                 for tc in T.unroll(bs // CW):
                     for gi in T.unroll(GQ):
@@ -201,7 +210,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                     for v in T.vectorized(DV):
                         a[gi, do * DV + v] = T.float32(0)
                 for t in range(T.min(bs, ctx - b * bs)):
-                    prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                    prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead)
                     for do in T.unroll(D // DV):
                         for gi in T.unroll(GV):
                             for v in T.vectorized(DV):
@@ -218,7 +227,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for d in T.vectorized(D):
                     acc[g, d] = acc[g, d] * st[3, g]
             for t in range(T.min(bs, ctx - b * bs)):
-                prefetch_run(v_pool, bt, kvh, b, t * D, D)
+                prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead)
                 for g in range(G):
                     for d in T.vectorized(D):
                         acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
@@ -333,8 +342,7 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             for d in T.vectorized(D):
                 out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
 
-    jump_lines = JUMP_PREFETCH_BYTES // CACHE_LINE
-    per_line = CACHE_LINE // np.dtype(cdt).itemsize  # elements per cache line
+    jump_span = prefetch_ahead_macro(JUMP_PREFETCH_BYTES // np.dtype(cdt).itemsize, cdt, 0)
 
     def next_start(bt, b):  # element offset of the block after ``b`` in the table (an
         # expression: a scalar assigned in the parallel loop would be heap scratch)
@@ -345,11 +353,10 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
         """Where the table jumps after block ``b`` (the next entry is not the physically next
         block), prefetch the first JUMP_PREFETCH_BYTES of the next block's K and V runs."""
         if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
-            k_flat = T.decl_buffer((1 << 62,), cdt, data=k_pool.data)
-            v_flat = T.decl_buffer((1 << 62,), cdt, data=v_pool.data)
-            for line in T.unroll(jump_lines):
-                prefetch_nta(T.address_of(k_flat[next_start(bt, b) + line * per_line]))
-                prefetch_nta(T.address_of(v_flat[next_start(bt, b) + line * per_line]))
+            k_flat = pool_flat(k_pool)
+            v_flat = pool_flat(v_pool)
+            jump_span(k_flat, next_start(bt, b))
+            jump_span(v_flat, next_start(bt, b))
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):

@@ -58,18 +58,17 @@ def prefetch_nta(address):
 
 def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
     """``prefetch(flat, i)``: ``prefetch_nta`` each cache line of the ``step_elems`` elements of
-    ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the streaming kernels' software prefetch,
-    issued once per step of their read loop; past the buffer's end is harmless: a prefetch never
-    faults).  ``ahead_bytes`` 0: no prefetch."""
+    ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
+    once per step of their read loop, or, ``ahead_bytes`` 0, once for a span about to be read;
+    past the buffer's end is harmless: a prefetch never faults)."""
     esize = np.dtype(dtype).itemsize
-    lines = max(1, step_elems * esize // CACHE_LINE)
+    lines = -(-step_elems * esize // CACHE_LINE)
     per_line, ahead = CACHE_LINE // esize, ahead_bytes // esize  # elements
 
     @T.macro
     def prefetch(flat, i):
-        if ahead > 0:
-            for line in T.unroll(lines):
-                prefetch_nta(T.address_of(flat[i + line * per_line + ahead]))
+        for line in T.unroll(lines):
+            prefetch_nta(T.address_of(flat[i + line * per_line + ahead]))
 
     return prefetch
 
