@@ -82,22 +82,26 @@ SCORE_FLOATS, SCORE_CHAINS = 192, 8
 PART_ROWS, MAX_PARTS = 128, 16
 # Decode attention prefetches in software, as data read once (``prefetch_nta``, as the GEMVs
 # do), along the block table: reading a head's K (one dim of the block at a time) or V (one row at
-# a time), the lines ROW_PREFETCH_BYTES further on in the run; and at the start of each block whose
-# successor in the table is not the physically next block, the successor's first
-# JUMP_PREFETCH_BYTES of K and of V (the in-run prefetch, past the block's end, fetches the
-# physically next block instead: right for an identity table, harmless otherwise).  The hardware
-# prefetcher follows a run but restarts at every jump, and with 3 kv heads (SmolLM2) a 64-token
-# block is a run of only 24 KiB in float16: there, context 1024, scattered over identity table
-# 1.077 -> 1.026 (6 alternating rounds, the identity step 1.002 of its time, 6.17 / 6.20 ms).  The
-# 160M shape, float32: identity steps at context 1024 0.961 (fast regime) / 0.988 (slow) of the
-# time against prefetching 1.5 KiB ahead into L2, float32 only, as before; float16 paged /
-# contiguous 1.022 -> 1.012 against a 2 KiB L2 prefetch at jumps only.  Elsewhere (TinyLlama's
-# shape, SmolLM2's in float32, the 160M shape's float16 identity steps, prefill) within the
-# +-2 % that repeated runs of one build scatter by.  Into L2 a float16 cache had run 1.2-1.7x
-# slower with it; 16 KiB at jumps was worse than 2-8 KiB.  Prefetching whole blocks ahead
-# (the grouped step did: the block two ahead, into L2, at the block's start) made the step no
-# faster at TinyLlama's shape (1.003 / 1.002 at context 1024) and slower at SmolLM2's (1.040 f16,
-# 1.018 f32); decode attention alone, cold, at SmolLM2's: 1.27x slower on an identity table.
+# a time), the lines ROW_PREFETCH_BYTES further on in the block, and past the block's end in the
+# table's next block (``ahead_index``: a block's last 4 KiB of K / V prefetch the first of its
+# successor's, wherever that is); and at the start of each block whose successor in the table is
+# not the physically next block, the successor's first JUMP_PREFETCH_BYTES of K and of V.  The
+# hardware prefetcher follows a run but restarts at every jump, and with 3 kv heads (SmolLM2) a
+# 64-token block is a run of only 24 KiB in float16: there, context 1024, scattered over identity
+# table 1.077 -> 1.026 (6 alternating rounds, the identity step 1.002 of its time, 6.17 / 6.20 ms)
+# with the jump prefetch and the in-run one running on into the physically next block; following
+# the table past the block's end then took it from 1.046-1.049 to 1.017-1.018 (6-8 rounds, both
+# regimes, one weights instance for both builds), identity steps at contexts 16 / 256 / 1024
+# within 1 % (1.002 / 1.008 / 1.007); the 160M shape 1.023 -> 1.014 (float16) and 1.011 -> 1.003
+# (float32), SmolLM2's float32 1.019 -> 1.016, TinyLlama's float16 1.007 -> 1.001, identity steps
+# within the noise.  The 160M shape, float32: identity steps at context 1024 0.961 (fast regime) /
+# 0.988 (slow) of the time against prefetching 1.5 KiB ahead into L2, float32 only, as before;
+# float16 paged / contiguous 1.022 -> 1.012 against a 2 KiB L2 prefetch at jumps only.  Into L2 a
+# float16 cache had run 1.2-1.7x slower with it; 16 KiB at jumps was worse than 2-8 KiB.
+# Prefetching whole blocks ahead (the grouped step did: the block two ahead, into L2, at the
+# block's start) made the step no faster at TinyLlama's shape (1.003 / 1.002 at context 1024) and
+# slower at SmolLM2's (1.040 f16, 1.018 f32); decode attention alone, cold, at SmolLM2's: 1.27x
+# slower on an identity table.
 ROW_PREFETCH_BYTES = JUMP_PREFETCH_BYTES = 4096
 
 
@@ -131,9 +135,10 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
     GV = max(d for d in range(1, SV_HEADS + 1)
              if G % d == 0 and (d == 1 or d * D * 4 < STACK_BYTES))
     v_scratch = GV * D * 4 < STACK_BYTES
-    # the in-run prefetch of one K column step (KP dims of the block's rows) and of one V row
-    k_ahead = prefetch_ahead_macro(KP * bs, cdt, ROW_PREFETCH_BYTES)
-    v_ahead = prefetch_ahead_macro(D, cdt, ROW_PREFETCH_BYTES)
+    # the prefetch of one K column step (KP dims of the block's rows) and of one V row, at the
+    # index ``ahead_index`` gives
+    k_ahead = prefetch_ahead_macro(KP * bs, cdt, 0)
+    v_ahead = prefetch_ahead_macro(D, cdt, 0)
 
     def block(bt, b):  # the table entry as an int64 index (an expression: see scratch_buffer)
         return T.Cast("int64", bt[0, b])
@@ -153,17 +158,28 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for d in T.vectorized(D):
                 out[row, (kvh * G + g) * D + d] = acc[g, d] / st[1, g]
 
-    def run_start(bt, kvh, b):  # element offset of kv head ``kvh``'s run in table entry ``b``
-        return (block(bt, b) * Hkv + kvh) * bs * D
+    RUN = Hkv * bs * D  # elements of a block (every head)
+    AHEAD = ROW_PREFETCH_BYTES // np.dtype(cdt).itemsize
+
+    def successor(bt, b, ctx):  # the block after table entry ``b`` of a ``ctx``-row context:
+        # the next entry's, or past the context's last block the physically next (the entries
+        # past the context are not read for it; the clamped read stays inside the table)
+        return T.Select((b + 1) * bs < ctx, T.Cast("int64", bt[0, T.min(b + 1, cap - 1)]),
+                        block(bt, b) + 1)
+
+    def ahead_index(bt, kvh, b, o, ctx):  # the element ROW_PREFETCH_BYTES past element ``o``
+        # of kv head ``kvh``'s run in entry ``b``, in the table's next block past this one's end
+        pos = kvh * bs * D + o + AHEAD
+        return T.Select(pos < RUN, block(bt, b) * RUN + pos,
+                        successor(bt, b, ctx) * RUN + pos - RUN)
 
     @T.macro
-    def prefetch_run(pool, bt, kvh, b, o, ahead):
-        """``ahead``, one of ``k_ahead`` (a K column step) and ``v_ahead`` (a V row), at element
-        ``o`` of kv head ``kvh``'s run in table entry ``b``: past the head's run it prefetches the
-        next head's, past the block the physically next block (unused where the table jumps, and
-        never a fault)."""
-        flat = pool_flat(pool)
-        ahead(flat, run_start(bt, kvh, b) + o)
+    def prefetch_run(pool, bt, kvh, b, o, ahead, ctx):
+        """``ahead``, one of ``k_ahead`` (a K column step) and ``v_ahead`` (a V row),
+        ROW_PREFETCH_BYTES past element ``o`` of kv head ``kvh``'s run in table entry ``b`` of a
+        ``ctx``-row context: past the head's run in the next head's, past the block in the
+        table's next block (``ahead_index``)."""
+        ahead(pool_flat(pool), ahead_index(bt, kvh, b, o, ctx))
 
     def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx
         return T.Cast("int64", t) < ctx - b * bs
@@ -184,7 +200,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for v in T.vectorized(CW):
                 R[kp, gi, tc * CW + v] = T.float32(0)
         for dd in range(D // KP):
-            prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, k_ahead)
+            prefetch_run(k_pool, bt, kvh, b, dd * KP * bs, k_ahead, ctx)
             for kp in T.unroll(KP):
                 for tc in T.unroll(bs // CW):
                     for gi in T.unroll(GQ):
@@ -210,7 +226,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                     for v in T.vectorized(DV):
                         a[gi, do * DV + v] = T.float32(0)
                 for t in range(T.min(bs, ctx - b * bs)):
-                    prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead)
+                    prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead, ctx)
                     for do in T.unroll(D // DV):
                         for gi in T.unroll(GV):
                             for v in T.vectorized(DV):
@@ -227,7 +243,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for d in T.vectorized(D):
                     acc[g, d] = acc[g, d] * st[3, g]
             for t in range(T.min(bs, ctx - b * bs)):
-                prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead)
+                prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead, ctx)
                 for g in range(G):
                     for d in T.vectorized(D):
                         acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
