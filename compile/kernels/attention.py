@@ -84,25 +84,24 @@ PART_ROWS, MAX_PARTS = 128, 16
 # do), along the block table: reading a head's K (one dim of the block at a time) or V (one row at
 # a time), the lines ROW_PREFETCH_BYTES further on in the block, and past the block's end in the
 # table's next block (``ahead_index``: a block's last 4 KiB of K / V prefetch the first of its
-# successor's, wherever that is); and at the start of each block whose successor in the table is
-# not the physically next block, the successor's first JUMP_PREFETCH_BYTES of K and of V.  The
-# hardware prefetcher follows a run but restarts at every jump, and with 3 kv heads (SmolLM2) a
-# 64-token block is a run of only 24 KiB in float16: there, context 1024, scattered over identity
-# table 1.077 -> 1.026 (6 alternating rounds, the identity step 1.002 of its time, 6.17 / 6.20 ms)
-# with the jump prefetch and the in-run one running on into the physically next block; following
-# the table past the block's end then took it from 1.046-1.049 to 1.017-1.018 (6-8 rounds, both
-# regimes, one weights instance for both builds), identity steps at contexts 16 / 256 / 1024
-# within 1 % (1.002 / 1.008 / 1.007); the 160M shape 1.023 -> 1.014 (float16) and 1.011 -> 1.003
-# (float32), SmolLM2's float32 1.019 -> 1.016, TinyLlama's float16 1.007 -> 1.001, identity steps
-# within the noise.  The 160M shape, float32: identity steps at context 1024 0.961 (fast regime) /
-# 0.988 (slow) of the time against prefetching 1.5 KiB ahead into L2, float32 only, as before;
-# float16 paged / contiguous 1.022 -> 1.012 against a 2 KiB L2 prefetch at jumps only.  Into L2 a
-# float16 cache had run 1.2-1.7x slower with it; 16 KiB at jumps was worse than 2-8 KiB.
-# Prefetching whole blocks ahead (the grouped step did: the block two ahead, into L2, at the
-# block's start) made the step no faster at TinyLlama's shape (1.003 / 1.002 at context 1024) and
-# slower at SmolLM2's (1.040 f16, 1.018 f32); decode attention alone, cold, at SmolLM2's: 1.27x
-# slower on an identity table.
-ROW_PREFETCH_BYTES = JUMP_PREFETCH_BYTES = 4096
+# successor's, wherever that is).  The hardware prefetcher follows a run but restarts at every
+# jump, and with 3 kv heads (SmolLM2) a 64-token block is a run of only 24 KiB in float16: there,
+# context 1024, scattered over identity table 1.077 with no software prefetch, 1.026 (6
+# alternating rounds, slow regime; 1.046-1.049 in later runs) with the prefetch running on into the
+# physically next block and the successor's first 4 KiB of K and V prefetched at the start of
+# each block where the table jumps; following the table instead, 1.013-1.018 (6-10 rounds, one
+# weights instance for both builds), identity steps at contexts 16 / 256 / 1024 within 1 %; the
+# 160M shape 1.023 -> 1.014 (float16) and 1.011 -> 1.003 (float32), SmolLM2's float32 1.019 ->
+# 1.016, TinyLlama's float16 1.007 -> 1.001, identity steps and prefill within the noise.  The
+# prefetch at jumps on top of it: SmolLM2 float16 1.019 against 1.013, 160M float16 1.012 against
+# 1.008 (identity steps within 1 %), not kept.  The 160M shape, float32: identity steps at
+# context 1024 0.961 (fast regime) / 0.988 (slow) of the time against prefetching 1.5 KiB ahead
+# into L2, float32 only, as before.  Into L2 a float16 cache had run 1.2-1.7x slower with it;
+# 16 KiB at jumps was worse than 2-8 KiB.  Prefetching whole blocks ahead (the grouped step did:
+# the block two ahead, into L2, at the block's start) made the step no faster at TinyLlama's
+# shape (1.003 / 1.002 at context 1024) and slower at SmolLM2's (1.040 f16, 1.018 f32); decode
+# attention alone, cold, at SmolLM2's: 1.27x slower on an identity table.
+ROW_PREFETCH_BYTES = 4096
 
 
 def pool_flat(pool):
@@ -358,22 +357,6 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
             for d in T.vectorized(D):
                 out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
 
-    jump_span = prefetch_ahead_macro(JUMP_PREFETCH_BYTES // np.dtype(cdt).itemsize, cdt, 0)
-
-    def next_start(bt, b):  # element offset of the block after ``b`` in the table (an
-        # expression: a scalar assigned in the parallel loop would be heap scratch)
-        return T.Cast("int64", bt[0, b + 1]) * (Hkv * bs * D)
-
-    @T.macro
-    def prefetch_jump(k_pool, v_pool, bt, b, n_blocks):
-        """Where the table jumps after block ``b`` (the next entry is not the physically next
-        block), prefetch the first JUMP_PREFETCH_BYTES of the next block's K and V runs."""
-        if b + 1 < n_blocks and bt[0, b + 1] != bt[0, b] + 1:
-            k_flat = pool_flat(k_pool)
-            v_flat = pool_flat(v_pool)
-            jump_span(k_flat, next_start(bt, b))
-            jump_span(v_flat, next_start(bt, b))
-
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
         assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
@@ -391,7 +374,6 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
                     init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                          lane_slice(st_p, p * Hkv + kvh, st_shape))
                 for b in range(p * n_blocks // parts, (p + 1) * n_blocks // parts):
-                    prefetch_jump(k_pool, v_pool, bt, b, n_blocks)
                     for kvh in range(Hkv):
                         step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
                              lane_slice(acc_p, p * Hkv + kvh, acc_shape),
