@@ -77,8 +77,10 @@ class TargetSpec:
         Attention alone at TinyLlama's shape (8 query heads per kv head), context 1024: 1.06x
         (float16) and 1.15x (float32) faster.  With K blocks stored row-major (before
         ``K_BLOCK_LAYOUT``) 64-token blocks had run up to 6 % slower on an identity table.
-        Software prefetch of the next block's first lines (1 or 4 KiB of K and V) did not help a
-        scattered table.  GPUs keep 16, the common paged-attention block there."""
+        Software prefetch of the next block's first lines at a block's start (1 or 4 KiB of K and
+        V) did not help a scattered table then; decode attention's prefetch that follows the
+        table past a block's end does (``attention.ROW_PREFETCH_BYTES``).  GPUs keep 16, the
+        common paged-attention block there."""
         return 64 if self.kind == "llvm" else 16
 
     @property
