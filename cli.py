@@ -90,10 +90,10 @@ def compile_cmd(print_key, verbose, **opts):
     m = prepared.manifest
     click.echo(f"artifact:  {prepared.artifact_dir}")
     click.echo(f"weights:   {prepared.weights_dir}")
-    click.echo(f"key:       {m['digest']}")
+    click.echo(f"key:       {m.digest}")
     click.echo(f"cache hit: {'yes' if prepared.cache_hit else 'no'}")
-    click.echo(f"compile seconds: {m['compile_seconds'] if not prepared.cache_hit else 0.0:.2f} "
-               f"(total {seconds:.2f} s), library {m['library_bytes'] / 1e6:.2f} MB")
+    click.echo(f"compile seconds: {m.compile_seconds if not prepared.cache_hit else 0.0:.2f} "
+               f"(total {seconds:.2f} s), library {m.library_bytes / 1e6:.2f} MB")
 
 
 def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool) -> None:
@@ -106,7 +106,7 @@ def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool)
     if need <= cap:
         return
     fix = f"--max-blocks-cap {-(-need // bs)}" if by_blocks else f"--max-context {need}"
-    limit = art.manifest["key"]["model"].get("max_position_embeddings")
+    limit = art.manifest.key["model"].get("max_position_embeddings")
     beyond = (f" (above the model's max_position_embeddings, {limit})"
               if limit is not None and need > limit else "")
     if n_prompt > cap:
@@ -202,7 +202,7 @@ def cache_cmd(artifacts, clear):
 @_clean_errors
 def bench_cmd(models, out, dtypes, quick, rounds, block_size, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
-    from paged_decode.compile.bench import run_bench
+    from paged_decode.bench.run import run_bench
 
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
                        dtypes=tuple(dtypes), rounds=rounds, block_size=block_size,

@@ -9,8 +9,9 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from paged_decode.runtime.artifact import cli_target, compile_command, sha256_file
-from paged_decode.runtime.errors import WeightsError
+from paged_decode.runtime.artifact import cli_target, compile_command, read_manifest, sha256_file
+from paged_decode.runtime.errors import ArtifactError, WeightsError
+from paged_decode.runtime.manifest import Manifest
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
 from . import cache
@@ -30,7 +31,7 @@ class Prepared:
 
     artifact_dir: Path
     weights_dir: Path
-    manifest: dict
+    manifest: Manifest
     cache_hit: bool
     weights_cache_hit: bool
 
@@ -43,16 +44,17 @@ def shape_key(source: ModelSource, weight_dtype: str) -> str:
 
 
 def _manifest_complete(path: Path) -> bool:
-    """A readable manifest whose library is present with the recorded sha256.
+    """A valid manifest of this runtime's versions whose library is present with the recorded
+    sha256.
 
     A damaged entry counts as absent: policy ``on`` rebuilds it, ``readonly`` refuses it.
     """
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        lib = path / str(manifest["library"])
-        if lib.is_file() and sha256_file(lib) == manifest["library_sha256"]:
+        manifest, _hint = read_manifest(path)
+        lib = path / manifest.library
+        if lib.is_file() and sha256_file(lib) == manifest.library_sha256:
             return True
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ArtifactError):
         pass
     if path.exists():
         log.warning("%s is incomplete or damaged: treated as not built", path)
@@ -204,5 +206,4 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
                                    source.cli_name or source.config.name)
     say(f"weights of {source.config.name} as {weight_dtype}")
     w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy)
-    manifest = json.loads((art_dir / "manifest.json").read_text())
-    return Prepared(art_dir, w_dir, manifest, hit, w_hit)
+    return Prepared(art_dir, w_dir, read_manifest(art_dir)[0], hit, w_hit)

@@ -58,15 +58,29 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
     return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype)
 
 
+# The build side's modules that shape the compiled library (graph, kernels, parameter layout,
+# target and device-code handling).  Weight conversion, the tokenizer export, the cache, the
+# API, the CLI and the benchmark do not: editing them keeps every artifact key.
+FINGERPRINTED = ("build.py", "config.py", "device_code.py", "kernels", "model.py", "params.py",
+                 "rope.py", "targets.py")
+
+
+def source_fingerprint(root: Path, parts=FINGERPRINTED) -> str:
+    """sha256 (16 hex) of the ``*.py`` files under ``root`` named by ``parts`` (files or
+    folders, taken recursively), each with its path relative to ``root``."""
+    h = hashlib.sha256()
+    for part in parts:
+        base = root / part
+        for path in sorted(base.rglob("*.py")) if base.is_dir() else [base]:
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def compiler_fingerprint() -> str:
-    """sha256 of the build side's own source (kernels, graph, build): an edited kernel is a new
-    key even before the package version changes."""
-    h = hashlib.sha256()
-    root = Path(__file__).resolve().parent
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
+    """The fingerprint of this installation's :data:`FINGERPRINTED` modules: an edited kernel is
+    a new key even before the package version changes."""
+    return source_fingerprint(Path(__file__).resolve().parent)
 
 
 def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:

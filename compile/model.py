@@ -23,7 +23,7 @@ import tvm
 from tvm import relax, tirx
 
 from .config import ModelConfig
-from .kernels.registry import KernelSet, cpu_kernels
+from .kernels.registry import KernelSet, kernels_for
 from .params import param_specs
 from .rope import rope_inv_freq
 
@@ -209,7 +209,7 @@ def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = No
     ``prefill`` and ``_metadata`` (CPU kernels by default)."""
     bb = relax.BlockBuilder()
     funcs: dict[str, relax.GlobalVar] = {}
-    kernels = kernels or cpu_kernels()
+    kernels = kernels or kernels_for("llvm")
     _emit_decode(bb, spec, funcs, kernels)
     if kernels.rope_kv_write_decode_dev is not None and kernels.paged_attention_decode_dev:
         _emit_decode(bb, spec, funcs, kernels, dev=True)

@@ -23,6 +23,7 @@ from tvm import relax
 
 from .errors import ArtifactError, WeightsError
 from .host_memory import HostArena, on_host, to_tvm
+from .manifest import DISK_ONLY, Manifest
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
 
 
@@ -85,10 +86,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-# Written into manifest.json after the build; the library's _metadata() cannot know them.
-_DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
-
-
 def verify_manifest(manifest: dict, path: Path) -> None:
     """Versions and key digest of a manifest against this runtime."""
     hint = _rebuild_hint(manifest, path)
@@ -111,7 +108,7 @@ def verify_manifest(manifest: dict, path: Path) -> None:
 def verify_embedded(manifest: dict, embedded: dict, lib_path: Path) -> None:
     """Every field the library reports through ``_metadata()`` must equal the manifest's."""
     hint = _rebuild_hint(embedded, lib_path.parent)
-    for field in sorted((set(manifest) | set(embedded)) - set(_DISK_ONLY)):
+    for field in sorted((set(manifest) | set(embedded)) - set(DISK_ONLY)):
         if manifest.get(field) != embedded.get(field):
             raise ArtifactError(
                 f"{lib_path.parent}: manifest field {field}={manifest.get(field)!r} differs from "
@@ -122,13 +119,14 @@ def verify_embedded(manifest: dict, embedded: dict, lib_path: Path) -> None:
 class Artifact:
     """A loaded artifact: its manifest, the loaded library and one VirtualMachine.
 
-    Thread safety: the manifest and library are read-only.  ``vm`` is for one-off calls
+    ``manifest`` is the parsed, verified manifest.json.  Thread safety: the manifest and library
+    are read-only.  ``vm`` is for one-off calls
     (``_metadata``); each :class:`~paged_decode.runtime.session.PagedDecodeSession` takes its own
     VM from :meth:`new_vm`, so sessions in different threads never share VM state.
     """
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     vm: relax.VirtualMachine
     device: tvm.runtime.Device
     lib: tvm.runtime.Module | None = None
@@ -139,33 +137,41 @@ class Artifact:
 
     @property
     def max_blocks_cap(self) -> int:
-        return self.manifest["max_blocks_cap"]
+        return self.manifest.max_blocks_cap
 
     @property
     def block_size(self) -> int:
-        return self.manifest["block_size"]
+        return self.manifest.block_size
 
     @property
     def max_tokens(self) -> int:
         """Tokens one sequence can hold: ``max_blocks_cap * block_size``."""
-        return self.max_blocks_cap * self.block_size
+        return self.manifest.max_tokens
 
     @property
     def k_block_layout(self) -> str:
         """How this artifact's kernels store a K block (see ``kv_pool.k_rows``)."""
-        return self.manifest["k_block_layout"]
+        return self.manifest.k_block_layout
+
+
+def read_manifest(path: str | Path) -> tuple[Manifest, str]:
+    """The manifest of the artifact folder ``path``, its versions and digest verified against
+    this runtime, and the hint that rebuilds it (for errors found later)."""
+    path = Path(path)
+    manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
+    verify_manifest(manifest, path)
+    hint = _rebuild_hint(manifest, path)
+    return Manifest.parse(manifest, path, hint), hint
 
 
 def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) -> Artifact:
     """Verify and load ``path`` (a folder with manifest.json and the library)."""
     path = Path(path)
-    manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
-    verify_manifest(manifest, path)
-    hint = _rebuild_hint(manifest, path)
-    lib_path = path / str(manifest.get("library", "model.so"))
+    parsed, hint = read_manifest(path)
+    lib_path = path / parsed.library
     if not lib_path.is_file():
         raise ArtifactError(f"{lib_path}: library is missing; {hint}")
-    if sha256_file(lib_path) != manifest.get("library_sha256"):
+    if sha256_file(lib_path) != parsed.library_sha256:
         raise ArtifactError(f"{lib_path}: sha256 differs from the manifest (truncated, "
                             f"corrupted or replaced); {hint}")
     set_threads()
@@ -176,16 +182,16 @@ def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) ->
     except Exception as e:  # TVM raises plain RuntimeErrors for unloadable libraries
         if "loader of that name is not registered" in str(e):  # built for another runtime
             raise ArtifactError(
-                f"{lib_path}: built for target {manifest.get('target_kind')!r}, whose runtime this "
+                f"{lib_path}: built for target {parsed.target_kind!r}, whose runtime this "
                 f"TVM installation lacks ({e}); run it where TVM has that runtime (and the "
                 "device), or compile for a target this machine runs (llvm: the host CPU)") from e
         raise ArtifactError(f"{lib_path}: TVM could not load it ({e}); {hint}") from e
-    if not isinstance(embedded, dict) or embedded.get("digest") != manifest["digest"]:
+    if not isinstance(embedded, dict) or embedded.get("digest") != parsed.digest:
         got = embedded.get("digest") if isinstance(embedded, dict) else embedded
         raise ArtifactError(f"{lib_path}: library reports key {got!r}, "
-                            f"manifest says {manifest['digest']!r}; {hint}")
-    verify_embedded(manifest, embedded, lib_path)
-    return Artifact(path, manifest, vm, device or tvm.cpu(), lib)
+                            f"manifest says {parsed.digest!r}; {hint}")
+    verify_embedded(parsed.to_dict(), embedded, lib_path)
+    return Artifact(path, parsed, vm, device or tvm.cpu(), lib)
 
 
 @dataclasses.dataclass
@@ -217,16 +223,16 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     read into host memory and copied over.
     """
     path = Path(path)
-    hint = f"convert the weights again with `paged-compile --model {artifact.manifest['name']}`"
+    hint = f"convert the weights again with `paged-compile --model {artifact.manifest.name}`"
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if meta.get("weights_format") != WEIGHTS_FORMAT:
         raise WeightsError(f"{path}: weights_format {meta.get('weights_format')!r}, expected "
                            f"{WEIGHTS_FORMAT}; {hint}")
-    want = artifact.manifest["params"]
+    want = artifact.manifest.param_layout
     if meta.get("params") != want:
         raise WeightsError(
             f"{path}: weights of model {meta.get('name')!r} have another parameter layout than "
-            f"artifact {artifact.path.name} of {artifact.manifest['name']!r} "
+            f"artifact {artifact.path.name} of {artifact.manifest.name!r} "
             f"({_layout_difference(meta.get('params') or [], want)}); use the weight pack "
             "prepare() returned with this artifact")
     file = path / "params.safetensors"

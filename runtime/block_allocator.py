@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 
+from paged_decode.runtime.checks import is_int
 from paged_decode.runtime.errors import OutOfBlocksError
-
-
-def is_count(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class BlockAllocator:
@@ -27,7 +23,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        assert is_count(num_blocks) and num_blocks >= 1, num_blocks
+        assert is_int(num_blocks) and num_blocks >= 1, num_blocks
         self._num_blocks = int(num_blocks)
         self._free = list(range(self._num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._ref = [0] * self._num_blocks
@@ -50,7 +46,7 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` fresh blocks with ref count 1, or :class:`OutOfBlocksError` and no change."""
-        assert is_count(n) and n >= 0, n
+        assert is_int(n) and n >= 0, n
         if n > len(self._free):
             raise OutOfBlocksError(n, len(self._free), self._num_blocks)
         blocks = [self._free.pop() for _ in range(n)]

@@ -27,12 +27,8 @@ class Engine:
         """Default pool: room for one sequence of the artifact's full context."""
         artifact = load_artifact(artifact_dir)
         weights = load_weights(weights_dir, artifact)
-        m = artifact.manifest
-        if num_blocks is None and memory_budget_bytes is None:
-            num_blocks = m["max_blocks_cap"]
-        pool = PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                            m["cache_dtype"], num_blocks=num_blocks,
-                            memory_budget_bytes=memory_budget_bytes, device=artifact.device)
+        pool = PagedKVCache.for_artifact(artifact, num_blocks=num_blocks,
+                                         memory_budget_bytes=memory_budget_bytes)
         tok_dir = Path(weights_dir)
         tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
         return cls(artifact, weights, pool, tokenizer)

@@ -9,14 +9,11 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from .artifact import Artifact, WeightPack
+from .checks import is_int
 from .errors import HandleError, InputError
 from .kv_pool import PagedKVCache, SessionHandle
 from .sampling import Sampler, SamplingParams
 from .session import PagedDecodeSession, check_prompt, validity_key_for
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_stop_ids(stop_ids) -> set[int]:
@@ -25,7 +22,7 @@ def _check_stop_ids(stop_ids) -> set[int]:
         raise InputError(f"stop_ids={stop_ids!r}: must be an iterable of token ids; pass () "
                          "for none")
     stop = list(stop_ids)
-    bad = [t for t in stop if not _is_int(t)]
+    bad = [t for t in stop if not is_int(t)]
     if bad:
         raise InputError(f"stop id {bad[0]!r} is a {type(bad[0]).__name__}, not an integer; "
                          "pass int token ids")
@@ -111,9 +108,9 @@ class Generator:
         subclass at once and allocate nothing.  A generation that outgrows the artifact's
         ``max_blocks_cap * block_size`` raises :class:`CapacityError` from the iterator.
         """
-        vocab = self.artifact.manifest["vocab_size"]
+        vocab = self.artifact.manifest.vocab_size
         ids = check_prompt(prompt_ids, vocab)
-        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 0; pass the "
                              "number of tokens to generate")
         sampler = Sampler(sampling)

@@ -35,7 +35,8 @@ import threading
 import numpy as np
 import tvm
 
-from paged_decode.runtime.block_allocator import BlockAllocator, is_count
+from paged_decode.runtime.block_allocator import BlockAllocator
+from paged_decode.runtime.checks import is_int
 from paged_decode.runtime.errors import CapacityError, ConfigError, HandleError, InputError
 from paged_decode.runtime.host_memory import HostArena, on_host, to_tvm
 
@@ -89,7 +90,7 @@ class PagedKVCache:
                  memory_budget_bytes: int | None = None, device=None):
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads),
                             ("head_dim", head_dim), ("block_size", block_size)):
-            if not is_count(value) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise PoolConfigError(f"{name}={value!r}: must be a positive integer")
         if cache_dtype not in CACHE_DTYPES:
             raise PoolConfigError(f"cache_dtype={cache_dtype!r}: supported are {list(CACHE_DTYPES)}")
@@ -105,6 +106,20 @@ class PagedKVCache:
         self._alloc_id = _mint(_ALLOC_IDS)
         log.debug("KV pool %d: %d blocks, %d bytes on %s", self._alloc_id, self.num_blocks,
                   self.nbytes, self.device)
+
+    @classmethod
+    def for_artifact(cls, artifact, *, num_blocks: int | None = None,
+                     memory_budget_bytes: int | None = None) -> "PagedKVCache":
+        """The pool an artifact's compiled functions take: its layers, kv heads, head_dim,
+        block size and cache dtype, on its device.  Size it with ``num_blocks`` or
+        ``memory_budget_bytes``; with neither, room for one sequence of the artifact's full
+        context (``max_blocks_cap`` blocks)."""
+        m = artifact.manifest
+        if num_blocks is None and memory_budget_bytes is None:
+            num_blocks = m.max_blocks_cap
+        return cls(m.n_layers, m.n_kv_heads, m.head_dim, m.block_size, m.cache_dtype,
+                   num_blocks=num_blocks, memory_budget_bytes=memory_budget_bytes,
+                   device=artifact.device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -185,10 +200,10 @@ class PagedKVCache:
             raise PoolConfigError(
                 f"give exactly one of num_blocks ({num_blocks!r}) and memory_budget_bytes ({budget!r})")
         if num_blocks is not None:
-            if not is_count(num_blocks) or num_blocks < 1:
+            if not is_int(num_blocks) or num_blocks < 1:
                 raise PoolConfigError(f"num_blocks={num_blocks!r}: must be a positive integer")
             return int(num_blocks)
-        if not is_count(budget) or budget < 0:
+        if not is_int(budget) or budget < 0:
             raise PoolConfigError(f"memory_budget_bytes={budget!r}: must be a non-negative integer")
         if budget < self.bytes_per_block:
             raise PoolConfigError(
@@ -306,7 +321,7 @@ class SessionHandle:
         """
         with self._pool._lock:
             self._check("reserve")
-            if not is_count(n_tokens) or n_tokens < 0:
+            if not is_int(n_tokens) or n_tokens < 0:
                 raise InputError(f"n_tokens={n_tokens!r}: must be a non-negative integer; pass "
                                  "the number of positions to make writable")
             target = self._length + n_tokens
@@ -338,7 +353,7 @@ class SessionHandle:
         """Count ``n`` more tokens as written; they must lie in the reserved capacity."""
         with self._pool._lock:
             self._check("advance")
-            assert is_count(n) and n >= 0, n
+            assert is_int(n) and n >= 0, n
             assert self._length + n <= len(self._blocks) * self._pool.block_size, (
                 f"sequence {self.seq_id}: advance({n}) from length {self._length} past the "
                 f"{len(self._blocks)} reserved blocks; call reserve() first")
@@ -436,7 +451,7 @@ class SessionHandle:
         """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""
         with self._pool._lock:
             self._check("truncate_to")
-            if not is_count(n) or not 0 <= n <= self._length:
+            if not is_int(n) or not 0 <= n <= self._length:
                 raise InputError(f"sequence {self.seq_id}: truncate_to({n!r}) needs 0 <= n <= "
                                  f"length {self._length}; pass a length the sequence has")
             keep = -(-n // self._pool.block_size)
@@ -477,6 +492,6 @@ class SessionHandle:
 
     def _check_pos(self, pos: int) -> None:
         cap = len(self._blocks) * self._pool.block_size
-        if not is_count(pos) or not 0 <= pos < cap:
+        if not is_int(pos) or not 0 <= pos < cap:
             raise InputError(f"sequence {self.seq_id}: position {pos!r} is outside the reserved "
                              f"capacity [0, {cap}); call reserve() first")

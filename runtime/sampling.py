@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from paged_decode.runtime.checks import is_int
 from paged_decode.runtime.errors import SamplingError
 
 _NUCLEUS_EPS = 1e-9  # cumulative mass within this of top_p counts as reaching it (float rounding)
@@ -22,10 +23,6 @@ _BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +42,12 @@ class SamplingParams:
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
         if not (_is_real(t) and math.isfinite(t) and t >= 0):
             raise SamplingError(f"temperature={t!r}: must be a finite number >= 0 (0 means greedy)")
-        if not (_is_int(k) and k >= 0):
+        if not (is_int(k) and k >= 0):
             raise SamplingError(f"top_k={k!r}: must be an integer >= 0 (0 disables top-k)")
         if not (_is_real(p) and math.isfinite(p) and 0 < p <= 1):
             raise SamplingError(f"top_p={p!r}: must be a finite number in (0, 1] "
                                 "(1 disables top-p)")
-        if seed is not None and not (_is_int(seed) and seed >= 0):
+        if seed is not None and not (is_int(seed) and seed >= 0):
             raise SamplingError(f"seed={seed!r}: must be None or an integer >= 0")
 
     @property

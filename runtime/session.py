@@ -27,6 +27,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact, WeightPack
+from .checks import is_int
 from .errors import (BlockTableError, ExecutionError, OffsetRebindError, TokenIdError,
                      TopologyChanged, ValidityError, WriteOffsetError)
 from .host_memory import on_host
@@ -54,28 +55,25 @@ def validity_key_for(artifact: Artifact, weights: WeightPack, pool: PagedKVCache
 def check_compatible(artifact: Artifact, weights: WeightPack, pool: PagedKVCache) -> None:
     """The pool's geometry and device and the weights' layout must be the artifact's."""
     m = artifact.manifest
-    want = (m["n_layers"], m["block_size"], m["cache_dtype"], m["n_kv_heads"], m["head_dim"])
+    want = (m.n_layers, m.block_size, m.cache_dtype, m.n_kv_heads, m.head_dim)
     got = (pool.n_layers, pool.block_size, pool.cache_dtype, pool.n_kv_heads, pool.head_dim)
     if want != got:
         raise ValidityError(
             f"pool (n_layers, block_size, cache_dtype, n_kv_heads, head_dim)={got} does not fit "
-            f"artifact {artifact.path.name} {want}; allocate the pool with the artifact's values")
+            f"artifact {artifact.path.name} {want}; allocate the pool with the artifact's values "
+            "(PagedKVCache.for_artifact(artifact, ...))")
     if str(pool.device) != str(artifact.device):
         raise ValidityError(f"pool is on {pool.device}, artifact {artifact.path.name} runs on "
                             f"{artifact.device}; allocate the pool on the artifact's device")
-    if weights.meta.get("params") != m["params"]:
+    if weights.meta.get("params") != m.param_layout:
         raise ValidityError(f"weight pack {weights.path} has another parameter layout than "
                             f"artifact {artifact.path.name}; load the pack built with it through "
                             "load_weights(path, artifact)")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def check_token_id(token_id, vocab_size: int) -> int:
     """``token_id`` as an int, or :class:`TokenIdError` (not an integer, or outside the vocab)."""
-    if not _is_int(token_id):
+    if not is_int(token_id):
         raise TokenIdError(f"token id {token_id!r} is a {type(token_id).__name__}, not an "
                            f"integer; pass an int in [0, {vocab_size})")
     if not 0 <= int(token_id) < vocab_size:
@@ -125,7 +123,7 @@ class PagedDecodeSession:
         self.artifact, self.weights, self.pool = artifact, weights, pool
         self.key = validity_key_for(artifact, weights, pool)
         self.max_tokens = artifact.max_tokens
-        self.vocab_size = artifact.manifest["vocab_size"]
+        self.vocab_size = artifact.manifest.vocab_size
         self._vm = artifact.new_vm()  # one VM per session: never shared between threads
         self._decode, self._prefill = self._vm["decode"], self._vm["prefill"]
         self._bound_pool, self._pools, self._params = pool, pool.pools, weights.params
@@ -284,7 +282,7 @@ class PagedDecodeSession:
         if table.shape != (1, cap):
             raise BlockTableError(f"block_table shape {table.shape}, expected (1, {cap}) = (1, "
                                   "max_blocks_cap); pad it with 0 to the artifact's width")
-        if not _is_int(context_len) or not 1 <= context_len <= cap * bs:
+        if not is_int(context_len) or not 1 <= context_len <= cap * bs:
             raise BlockTableError(
                 f"context_len={context_len!r} outside [1, {cap * bs}] (max_blocks_cap * "
                 "block_size); pass the sequence length including this token")
@@ -296,7 +294,7 @@ class PagedDecodeSession:
                                   f"[0, {nb}); use block ids this pool allocated")
         pos = int(context_len) - 1
         want = int(used[pos // bs]) * bs + pos % bs
-        if not _is_int(write_off) or write_off != want:
+        if not is_int(write_off) or write_off != want:
             raise WriteOffsetError(
                 f"write_off={write_off!r} does not match the block table at context_len - 1 = "
                 f"{pos} (block {int(used[pos // bs])}, slot {pos % bs}); pass {want}")

@@ -1,6 +1,11 @@
 """Version constants shared by the build side and the loader (both must agree to load)."""
 
-PACKAGE_VERSION = "0.1.0"
+from importlib import metadata
+
+try:
+    PACKAGE_VERSION = metadata.version("paged-decode")  # pyproject.toml's, as installed
+except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+    PACKAGE_VERSION = "0+source"
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
 ABI_VERSION = 4  # 4: CPU kernels store K blocks dim-major (manifest k_block_layout)
 MANIFEST_FORMAT = 1

@@ -63,9 +63,7 @@ for model, label in models:
     built = time.perf_counter() - t0
     art = load_artifact(p.artifact_dir, dev)
     w = load_weights(p.weights_dir, art)
-    m = art.manifest
-    pool = PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                        m["cache_dtype"], num_blocks=80, device=dev)
+    pool = PagedKVCache.for_artifact(art, num_blocks=80)
     sess = PagedDecodeSession(art, w, pool)
     seq = pool.new_sequence()
     logits = sess.prefill(seq, list(range(1, 65)))
@@ -77,7 +75,7 @@ for model, label in models:
         tok = int(np.argmax(sess.realize_token(seq, tok)))
     ms = (time.perf_counter() - t0) * 1e3 / n
     print(f"{label:45s} decode {ms:7.3f} ms/token at context 72-200  "
-          f"(build + weights {built:.0f} s, library {m['library_bytes'] / 1e6:.1f} MB)")
+          f"(build + weights {built:.0f} s, library {m.library_bytes / 1e6:.1f} MB)")
 EOF
 
 step "done, status $status"

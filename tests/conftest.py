@@ -161,6 +161,4 @@ def load(build):
 def make_pool(artifact, num_blocks: int):
     from paged_decode.runtime.kv_pool import PagedKVCache
 
-    m = artifact.manifest
-    return PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                        m["cache_dtype"], num_blocks=num_blocks)
+    return PagedKVCache.for_artifact(artifact, num_blocks=num_blocks)

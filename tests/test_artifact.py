@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
 from paged_decode.compile import api, build
 from paged_decode.compile.build import key_fields, make_spec, manifest_for
 from paged_decode.compile.config import preset
-from paged_decode.compile.kernels.common import K_BLOCK_LAYOUT
+from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.artifact import load_artifact
@@ -49,6 +51,30 @@ def test_every_key_field_changes_the_digest(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(build.tvm, "__version__", "0.0.0")
         assert _digest() != base
+
+
+# what a user edits, as a path under the package root, and whether the artifact key must change
+EDITS = {"compile/cache.py": False, "compile/api.py": False, "compile/weights.py": False,
+         "compile/tokenizer_export.py": False, "bench/run.py": False, "bench/report.py": False,
+         "cli.py": False, "compile/kernels/cpu/gemv.py": True, "compile/kernels/gpu/attention.py": True,
+         "compile/kernels/common.py": True, "compile/model.py": True, "compile/params.py": True}
+
+
+@pytest.mark.parametrize("rel", EDITS)
+def test_the_compiler_fingerprint_covers_exactly_what_shapes_the_library(rel, tmp_path,
+                                                                         monkeypatch):
+    pkg = Path(build.__file__).resolve().parent.parent
+    copy = tmp_path / "pkg"
+    for part in ("compile", "bench"):
+        shutil.copytree(pkg / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(pkg / "cli.py", copy / "cli.py")
+    monkeypatch.setattr(build, "compiler_fingerprint",
+                        lambda: build.source_fingerprint(copy / "compile"))
+    assert build.source_fingerprint(copy / "compile") == build.source_fingerprint(pkg / "compile")
+    before = _digest()
+    with open(copy / rel, "a") as f:
+        f.write("\n# an edit\n")
+    assert (_digest() != before) == EDITS[rel]
 
 
 def test_fields_cover_the_documented_key():

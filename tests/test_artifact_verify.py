@@ -82,6 +82,26 @@ DAMAGE = {
     "other_manifest_format": (
         lambda p: _edit_manifest(p, lambda m: m.__setitem__("manifest_format", 99)),
         r"built with manifest_format=99"),
+    "manifest_field_missing": (lambda p: _edit_manifest(p, lambda m: m.pop("n_kv_heads")),
+                               r"manifest\.json lacks field 'n_kv_heads'"),
+    "manifest_field_unknown": (
+        lambda p: _edit_manifest(p, lambda m: m.__setitem__("n_experts", 8)),
+        r"manifest\.json has unknown field 'n_experts'"),
+    "manifest_field_a_string": (
+        lambda p: _edit_manifest(p, lambda m: m.__setitem__("n_layers", "2")),
+        r"field n_layers='2': must be a positive integer"),
+    "manifest_field_a_bool": (
+        lambda p: _edit_manifest(p, lambda m: m.__setitem__("vocab_size", True)),
+        r"field vocab_size=True: must be a positive integer"),
+    "manifest_library_outside": (
+        lambda p: _edit_manifest(p, lambda m: m.__setitem__("library", "../model.so")),
+        r"field library='\.\./model\.so': must be a file name inside the artifact folder"),
+    "manifest_params_malformed": (
+        lambda p: _edit_manifest(p, lambda m: m["params"][0].__setitem__(1, [-1])),
+        r"field params=.*must be a list of \[name, shape, dtype\]"),
+    "manifest_cache_dtype_unknown": (
+        lambda p: _edit_manifest(p, lambda m: m.__setitem__("cache_dtype", "bfloat16")),
+        r"field cache_dtype='bfloat16': must be one of \['float32', 'float16'\]"),
 }
 
 
@@ -135,7 +155,7 @@ def compiles(built, monkeypatch) -> list:
     count = []
 
     def fake_compile(spec, target, manifest, out_dir):
-        assert manifest["digest"] == built.manifest["digest"]
+        assert manifest["digest"] == built.manifest.digest
         count.append(out_dir)
         return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
 
@@ -253,8 +273,8 @@ def test_rebuild_hints_name_the_model_as_it_was_given(build, llama_ckpt, tmp_pat
         api.prepare(str(llama_ckpt.path), artifacts=tmp_path / "empty", policy="readonly",
                     **OPTS)
     built = build(llama_ckpt.path, **OPTS)
-    model_arg = built.manifest["model_arg"]
-    assert resolve_model(model_arg).config.shape_dict() == built.manifest["key"]["model"]
+    model_arg = built.manifest.model_arg
+    assert resolve_model(model_arg).config.shape_dict() == built.manifest.key["model"]
     damaged = Path(shutil.copytree(built.artifact_dir, tmp_path / built.artifact_dir.name))
     _flip_byte(damaged)
     hinted = re.escape(f"paged-compile --model {shlex.quote(model_arg)} --target ")

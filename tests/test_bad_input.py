@@ -83,7 +83,7 @@ class World:
 
     @property
     def vocab(self) -> int:
-        return self.artifact.manifest["vocab_size"]
+        return self.artifact.manifest.vocab_size
 
     def fill(self, leave_free: int = 0):
         """A filler sequence that holds every free block but ``leave_free``."""
@@ -177,11 +177,10 @@ def _unchecked_session(w: World) -> None:
 
 
 def _pool(w: World, **change) -> PagedKVCache:
-    m = {k: w.artifact.manifest[k] for k in ("n_layers", "n_kv_heads", "head_dim", "block_size",
-                                             "cache_dtype")}
-    m.update(change)
-    return PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                        m["cache_dtype"], num_blocks=4)
+    """A pool like the artifact's but for the fields in ``change`` (a topology it rejects)."""
+    m = dataclasses.replace(w.artifact.manifest, **change)
+    return PagedKVCache(m.n_layers, m.n_kv_heads, m.head_dim, m.block_size, m.cache_dtype,
+                        num_blocks=4)
 
 
 def _other_layout(weights: WeightPack) -> WeightPack:

@@ -10,9 +10,9 @@ import tvm
 from click.testing import CliRunner
 
 from paged_decode.cli import bench_cmd
-from paged_decode.compile import bench, bench_report
-from paged_decode.compile.kernels.common import VL
-from paged_decode.compile.kernels.stream import CHUNKS, stream_words
+from paged_decode.bench import report as bench_report, run as bench
+from paged_decode.compile.kernels.cpu.simd import VL
+from paged_decode.bench.stream import CHUNKS, stream_words
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 

@@ -197,7 +197,7 @@ def test_readme_python_example_runs(artifact_root, monkeypatch):
     monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)
-    assert scope["logits"].shape == (scope["engine"].artifact.manifest["vocab_size"],)
+    assert scope["logits"].shape == (scope["engine"].artifact.manifest.vocab_size,)
     assert scope["session"].realize_count == 2  # realize_token and decode_raw
 
 

@@ -46,7 +46,7 @@ def _prefill(vm, artifact, weights, pool, table) -> np.ndarray:
 
 def test_manifest_lists_decode_dev(tiny):
     artifact, _ = tiny
-    assert "decode_dev" in artifact.manifest["functions"]
+    assert "decode_dev" in artifact.manifest.functions
 
 
 def test_decode_dev_matches_decode(tiny):
@@ -74,7 +74,7 @@ def test_decode_dev_matches_decode(tiny):
             else:
                 out = vm["decode"](tok, table_t, pos + 1, off, pool.pools, weights.params)
             logits[name] = out.numpy()
-        assert logits["A"].shape == (1, artifact.manifest["vocab_size"])
+        assert logits["A"].shape == (1, artifact.manifest.vocab_size)
         assert np.isfinite(logits["A"]).all()
         np.testing.assert_allclose(logits["B"], logits["A"], atol=1e-6, rtol=0)
         np.testing.assert_allclose(logits["C"], logits["A"], atol=1e-6, rtol=0)

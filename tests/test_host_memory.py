@@ -86,7 +86,7 @@ def test_weights_equal_the_safetensors_reader_and_live_in_one_arena(tiny):
     pack = load_weights(tiny.weights_dir, artifact)
     reference = load_file(str(tiny.weights_dir / "params.safetensors"))
     hosts = []
-    for (name, shape, dtype), tensor in zip(artifact.manifest["params"], pack.params):
+    for (name, shape, dtype), tensor in zip(artifact.manifest.params, pack.params):
         host = np.from_dlpack(tensor)
         np.testing.assert_array_equal(host, reference[name], err_msg=name)
         assert list(host.shape) == list(shape) and str(host.dtype) == dtype

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import tvm
 
-from paged_decode.compile.kernels.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_ROWS,
+from paged_decode.compile.kernels.cpu.attention import (MAX_PARTS, PARALLEL_MIN_WORK, PART_ROWS,
                                                     paged_attention_decode,
                                                     paged_attention_prefill, split_parts)
-from paged_decode.compile.kernels.common import K_BLOCK_LAYOUT
-from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
-from paged_decode.compile.kernels.linear import linear, linear_swiglu
-from paged_decode.compile.kernels.norm import embedding, rmsnorm
-from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
+from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
+from paged_decode.compile.kernels.cpu.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
+from paged_decode.compile.kernels.cpu.linear import linear, linear_swiglu
+from paged_decode.compile.kernels.cpu.norm import embedding, rmsnorm
+from paged_decode.compile.kernels.cpu.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
 from paged_decode.compile.targets import resolve_target
 from paged_decode.runtime.kv_pool import k_rows
 

@@ -14,11 +14,12 @@ import pytest
 import tvm
 from tvm.script import tirx as T
 
-from paged_decode.compile.kernels.attention import paged_attention_decode
-from paged_decode.compile.kernels.common import MAX_LANES, claimed_units, finalize
-from paged_decode.compile.kernels.gemv import gemv, gemv_swiglu
-from paged_decode.compile.kernels.norm import embedding, rmsnorm
-from paged_decode.compile.kernels.rope_kv import rope_kv_write_decode
+from paged_decode.compile.kernels.cpu.attention import paged_attention_decode
+from paged_decode.compile.kernels.common import finalize
+from paged_decode.compile.kernels.cpu.simd import MAX_LANES, claimed_units
+from paged_decode.compile.kernels.cpu.gemv import gemv, gemv_swiglu
+from paged_decode.compile.kernels.cpu.norm import embedding, rmsnorm
+from paged_decode.compile.kernels.cpu.rope_kv import rope_kv_write_decode
 from paged_decode.compile.targets import resolve_target
 
 UNITS = [1, 5, MAX_LANES - 1, MAX_LANES, MAX_LANES + 1, 200]

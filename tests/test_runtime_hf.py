@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_decode.compile.baselines import hf_forward
+from paged_decode.bench.baselines import hf_forward
 from paged_decode.runtime.kv_pool import k_rows
 from paged_decode.runtime.session import PagedDecodeSession
 
@@ -111,7 +111,7 @@ def test_pool_holds_hf_keys_and_values(load, llama_ckpt, block_size):
         _, past = hf_forward(model, torch.tensor([tokens]))
     bs = artifact.block_size
     offs = [handle.write_offset(p) for p in range(len(tokens))]
-    for layer in range(artifact.manifest["n_layers"]):
+    for layer in range(artifact.manifest.n_layers):
         k = k_rows(pool.pools[2 * layer].numpy(), artifact.k_block_layout)
         v = pool.pools[2 * layer + 1].numpy()
         ours_k = np.stack([k[o // bs, :, o % bs] for o in offs], 1)  # (Hkv, positions, D)

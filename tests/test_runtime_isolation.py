@@ -1,4 +1,5 @@
-"""A deploy box needs the TVM runtime, numpy and the artifact: runtime/ never imports compile/."""
+"""A deploy box needs the TVM runtime, numpy and the artifact: runtime/ never imports compile/;
+and the build side never imports the benchmark (its edits must not touch the artifact key)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import paged_decode.compile as compile_pkg
 import paged_decode.runtime as runtime_pkg
 
 RUNTIME_DIR = Path(runtime_pkg.__path__[0])
+COMPILE_DIR = Path(compile_pkg.__path__[0])
 
 
 def _imports(path: Path) -> set[str]:
@@ -26,6 +29,13 @@ def _imports(path: Path) -> set[str]:
 def test_no_runtime_module_imports_compile():
     offenders = {p.name: sorted(n for n in _imports(p) if "compile" in n)
                  for p in RUNTIME_DIR.glob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_no_compile_module_imports_the_benchmark():
+    offenders = {str(p.relative_to(COMPILE_DIR)): sorted(n for n in _imports(p) if "bench" in n)
+                 for p in COMPILE_DIR.rglob("*.py")}
+    assert len(offenders) > 20  # every module of the build side was read
     assert {k: v for k, v in offenders.items() if v} == {}
 
 

@@ -162,7 +162,7 @@ def test_token_outside_vocab_changes_nothing(tiny):
     session.prefill(handle, [1, 2, 3, 4])  # exactly one block: the next token needs a new one
     before = (handle.length, handle.blocks, pool.num_free, _block_bytes(pool, range(8)))
     with pytest.raises(InputError, match="outside the vocabulary"):
-        session.realize_token(handle, artifact.manifest["vocab_size"])
+        session.realize_token(handle, artifact.manifest.vocab_size)
     assert (handle.length, handle.blocks, pool.num_free, _block_bytes(pool, range(8))) == before
 
 
@@ -173,7 +173,7 @@ def test_weight_of_another_shape_or_dtype_is_refused_by_its_kernel(tiny, change)
     kernel and its argument."""
     artifact, weights = tiny
     pool = make_pool(artifact, 8)
-    names = [p[0] for p in artifact.manifest["params"]]
+    names = [p[0] for p in artifact.manifest.params]
     i = names.index("layers.1.w_down")
     w = weights.params[i]
     bad_shape = (w.shape[0], w.shape[1] + 1) if change == "shape" else tuple(w.shape)

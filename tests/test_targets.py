@@ -81,7 +81,7 @@ def artifact(build):
 def _library_bytes(prepared) -> bytes:
     """What the library carries: a .so file (its packed imports are plain bytes in it), or every
     member of a .tar."""
-    lib = prepared.artifact_dir / prepared.manifest["library"]
+    lib = prepared.artifact_dir / prepared.manifest.library
     if lib.suffix == ".so":
         return lib.read_bytes()
     with tarfile.open(lib) as tar:
@@ -98,8 +98,8 @@ def test_build(artifact, kind, cdt, func):
     kernel in its device code (CUDA: inside the fatbin's function table)."""
     prepared = artifact(kind, cdt)
     m = prepared.manifest
-    assert m["target_kind"] == kind and m["cache_dtype"] == cdt
-    assert m["library"] == resolve_target(kind).library_name and m["link_note"]
+    assert m.target_kind == kind and m.cache_dtype == cdt
+    assert m.library == resolve_target(kind).library_name and m.link_note
     blob = _library_bytes(prepared)
     assert _vm_name(func) in blob
     attn = {"decode": "attn_dec", "prefill": "attn_pre"}[func]
@@ -192,9 +192,7 @@ def _run(prepared, device) -> dict:
 
     artifact = load_artifact(prepared.artifact_dir, device)
     weights = load_weights(prepared.weights_dir, artifact)
-    m = artifact.manifest
-    pool = PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                        m["cache_dtype"], num_blocks=40, device=device)
+    pool = PagedKVCache.for_artifact(artifact, num_blocks=40)
     session = PagedDecodeSession(artifact, weights, pool)
     seq = pool.new_sequence()
     prefill = [session.prefill(seq, PROMPT[:SPLIT]), session.prefill(seq, PROMPT[SPLIT:])]
@@ -290,7 +288,7 @@ def _ref_attention(q, k_pool, v_pool, table, ctx, bs):
 @pytest.mark.parametrize("ctx", [1, 127, 128, 129, 320])
 def test_gpu_paged_attention_decode_on_opencl(ctx):
     """Online softmax over several 128-position chunks, GQA 9/3, head_dim 64, permuted table."""
-    from paged_decode.compile.kernels.gpu_attention import paged_attention_decode
+    from paged_decode.compile.kernels.gpu.attention import paged_attention_decode
 
     hq, hkv, d, bs, cap, nb = 9, 3, 64, 16, 20, 25
     rng = np.random.default_rng(ctx)
@@ -305,7 +303,7 @@ def test_gpu_paged_attention_decode_on_opencl(ctx):
 
 
 def test_gpu_prefill_attention_and_rope_on_opencl():
-    from paged_decode.compile.kernels.gpu_attention import (paged_attention_prefill,
+    from paged_decode.compile.kernels.gpu.attention import (paged_attention_prefill,
                                                             rope_kv_write_prefill)
 
     hq, hkv, d, bs, cap, nb, n, start = 4, 2, 16, 4, 6, 11, 9, 3
@@ -339,7 +337,7 @@ def test_gpu_prefill_attention_and_rope_on_opencl():
 
 @pytest.mark.parametrize("N,K", [(40, 72), (8448, 576)])  # 1 and 4 rows per warp
 def test_gpu_norm_gemv_on_opencl(N, K):
-    from paged_decode.compile.kernels import gpu_gemv
+    from paged_decode.compile.kernels.gpu import gemv as gpu_gemv
 
     rng = np.random.default_rng(N)
     x, g = rng.standard_normal((1, K)).astype(np.float32), rng.standard_normal(K).astype(np.float32)
@@ -355,7 +353,7 @@ def test_gpu_norm_gemv_on_opencl(N, K):
 
 @pytest.mark.parametrize("n", [1, 33])
 def test_gpu_tiled_linear_on_opencl(n):
-    from paged_decode.compile.kernels import gpu_linear
+    from paged_decode.compile.kernels.gpu import linear as gpu_linear
 
     N, K = 72, 40  # neither a multiple of the 64-column tile nor of the 16-wide k step
     rng = np.random.default_rng(n)

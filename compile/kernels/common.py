@@ -1,17 +1,15 @@
-"""Shared helpers for the kernel factories."""
+"""Helpers every kernel family uses (CPU and GPU): naming, memoising, tiles, token dims."""
 
 from __future__ import annotations
 
 import functools
-import math
 
-import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ..params import gate_up_row
 
-VL = 16  # f32 vector lanes the CPU kernels accumulate in (one AVX-512 register; 2 x AVX2)
+EPILOGUES = ("none", "bias", "residual")  # what a linear layer adds to its product
 
 
 def finalize(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
@@ -45,173 +43,6 @@ def gate_up_rows(inter: int):
             lambda c: gate_up_row(c, inter, True, T.min))
 
 
-CACHE_LINE = 64  # bytes
-
-
-def prefetch_nta(address):
-    """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) close to
-    the core as data used once (``llvm.prefetch``: read, locality 0, ``prefetchnta``; where the
-    line goes, and how it is kept from crowding out other data, is up to the CPU); never faults,
-    so it needs no bounds check."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
-
-
-def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
-    """``prefetch(flat, i)``: ``prefetch_nta`` each cache line of the ``step_elems`` elements of
-    ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
-    once per step of their read loop, or, ``ahead_bytes`` 0, once for a span about to be read;
-    past the buffer's end is harmless: a prefetch never faults)."""
-    esize = np.dtype(dtype).itemsize
-    lines = -(-step_elems * esize // CACHE_LINE)
-    per_line, ahead = CACHE_LINE // esize, ahead_bytes // esize  # elements
-
-    @T.macro
-    def prefetch(flat, i):
-        for line in T.unroll(lines):
-            prefetch_nta(T.address_of(flat[i + line * per_line + ahead]))
-
-    return prefetch
-
-
-def lane_sum_macro(width: int):
-    """``lane_sum(buf, r)``: buf[r, 0] = sum of buf[r, 0:width] (``width`` a power of two), by
-    vector halving down to 4 lanes, then scalar adds (LLVM lowers 2- and 1-lane vector steps
-    through general registers).  Clobbers those lanes.  Callers reduce many rows in one loop,
-    so the rows' short chains overlap instead of ending each row's dot product serially."""
-    assert width & (width - 1) == 0 and width <= 32, width
-
-    @T.macro
-    def half_step(buf, r, h):
-        for v in T.vectorized(h):
-            buf[r, v] = buf[r, v] + buf[r, v + h]
-
-    @T.macro
-    def lane_sum(buf, r):
-        if width >= 32:
-            half_step(buf, r, 16)
-        if width >= 16:
-            half_step(buf, r, 8)
-        if width >= 8:
-            half_step(buf, r, 4)
-        if width >= 4:
-            buf[r, 0] = (buf[r, 0] + buf[r, 2]) + (buf[r, 1] + buf[r, 3])
-        elif width == 2:
-            buf[r, 0] = buf[r, 0] + buf[r, 1]
-
-    return lane_sum
-
-
-STACK_BYTES = 1024  # TVM's kMaxStackAlloca
-
-
-def scratch_buffer(shape: tuple, dtype: str = "float32"):
-    """A kernel-local scratch buffer, on the stack when TVM allows it (LLVM then keeps small
-    ones in registers).  TVM lowers a "local"-scope buffer, or any of ``STACK_BYTES`` or more,
-    on the CPU to a ``TVMBackendAllocWorkspace`` / ``FreeWorkspace`` pair at every entry of the
-    enclosing loop body: in a GEMV split 64 ways that was 384 calls per launch (~40 ns each).
-    Only a "global"-scope buffer under ``STACK_BYTES`` stays an ``alloca``.  Scratch that cannot
-    (a 16 x 16 float32 tile is exactly 1 KiB) is better declared once outside the parallel loop
-    and sliced per lane (``lane_slice``); what is left here falls back to the workspace."""
-    if math.prod(shape) * np.dtype(dtype).itemsize < STACK_BYTES:
-        return T.decl_buffer(shape, dtype)
-    return T.decl_buffer(shape, dtype, scope="local")
-
-
-# How the CPU kernels store one block of one kv head in the K pool: ``[dim, slot]`` (the pool's
-# declared shape stays ``(num_blocks, Hkv, block_size, head_dim)``, and V keeps ``[slot, dim]``).
-# Decode attention then takes a block's scores as plain vector multiply-adds over its slots,
-# one dim at a time, instead of one dot product per row ending in a horizontal sum.  The GPU
-# kernels keep ``[slot, dim]``.  Recorded in the artifact key and manifest as "k_block_layout".
-K_BLOCK_LAYOUT = "dim-major"
-
-
-def k_block_view(k_pool, Hkv: int, D: int, bs: int):
-    """The K pool as the CPU kernels store it: ``[block, kv_head, dim, slot]``."""
-    return T.decl_buffer((k_pool.shape[0], Hkv, D, bs), k_pool.dtype, data=k_pool.data)
-
-
-def lane_slice(whole, lane, shape: tuple):
-    """The ``lane``-th ``shape`` slice of ``whole`` (declared once, outside the parallel loop,
-    as ``(lanes, *shape)``): per-lane scratch without a heap allocation per loop entry."""
-    return T.decl_buffer(shape, whole.dtype, data=whole.data,
-                         elem_offset=lane * math.prod(shape))
-
-
-MAX_LANES = 64  # parallel lanes a shared loop is split into (TVM hands each thread a block)
-
-
-def _compiler_barrier():
-    """A call LLVM must assume reads and writes memory, so the claim counters are re-read after
-    it rather than hoisted out of the loop (``llvm.readcyclecounter``: rdtsc on x86, no fence)."""
-    return T.evaluate(T.call_llvm_intrin("int64", "llvm.readcyclecounter"))
-
-
-def claimed_units(units: int, parallel: bool):
-    """``(run, lanes)``: ``run(proc, *args)`` calls ``proc(lane, u, *args)`` once or more for
-    every ``u`` in ``range(units)``; ``lanes`` is how many distinct ``lane`` values it passes
-    (for per-lane scratch).  ``proc`` must be idempotent (the same stores for the same ``u``).
-
-    Serial: lane 0 runs every unit in order.  Parallel: ``lanes = min(units, MAX_LANES)`` lanes
-    own contiguous runs of units, as even as possible; TVM's thread pool hands each thread a
-    contiguous block of lanes and runs them in order.  A static split left the two halves of a
-    GEMV finishing 5-66 us apart in a 300 us call (one core slower, or woken later), so:
-
-    - each lane claims its own units front to back (``front`` counter), and stops where a thief
-      has claimed from the back (``back`` counter);
-    - a lane that finds the next lane already started is the last its thread runs (lanes of one
-      thread run one after the other, so that lane belongs to another thread); it then walks the
-      other lanes and claims their unclaimed units from the far end, one at a time.
-
-    A thread whose next lane has not started yet cannot tell a late-woken thread from its own
-    next lane, so it does not steal then; the highest thread (no next lane) always may.
-
-    The CPU backend has no atomics, so claims are plain int32 stores and loads (atomic on every
-    target this runs on).  A unit is run only after its claim is stored, and a lane skips a
-    unit only when it reads a claim for it, so every unit runs; two lanes may both run the
-    unit they meet at (a stale read), which is harmless for idempotent units.  The counters
-    live on the caller's stack (3 int32 per lane)."""
-    if not parallel:
-        @T.macro
-        def run_serial(proc, *args):
-            for u in range(units):
-                proc(0, u, *args)
-
-        return run_serial, 1
-
-    lanes = min(units, MAX_LANES)
-    seg = -(-units // lanes)  # most units a lane owns
-
-    def first(w):
-        return w * units // lanes
-
-    def owned(w):
-        return (w + 1) * units // lanes - w * units // lanes
-
-    def other(w, d):  # an expression, not a TVMScript assignment (that allocates a buffer)
-        return (w + d) % lanes
-
-    @T.macro
-    def run(proc, *args):
-        claims = T.decl_buffer((lanes * 3,), "int32")  # per lane: front, back, started
-        for i in range(lanes * 3):
-            claims[i] = 0
-        for w in T.parallel(lanes):
-            claims[w * 3 + 2] = 1
-            for i in range(seg):
-                _compiler_barrier()
-                if i + claims[w * 3 + 1] < owned(w):
-                    claims[w * 3] = i + 1
-                    proc(w, first(w) + i, *args)
-            _compiler_barrier()
-            if claims[T.min(w + 1, lanes - 1) * 3 + 2] == 1:  # the last lane of this thread
-                for d in range(1, lanes):
-                    _compiler_barrier()
-                    if claims[other(w, d) * 3] + claims[other(w, d) * 3 + 1] < owned(other(w, d)):
-                        for i in range(seg):
-                            _compiler_barrier()
-                            if (i >= claims[other(w, d) * 3 + 1]
-                                    and i + claims[other(w, d) * 3] < owned(other(w, d))):
-                                claims[other(w, d) * 3 + 1] = i + 1
-                                proc(w, first(other(w, d)) + owned(other(w, d)) - 1 - i, *args)
-
-    return run, lanes
+def token_dim(n_static: int | None):
+    """The token dimension: a fresh symbolic ``n`` for prefill, the constant for decode."""
+    return tirx.Var("n", "int64") if n_static is None else n_static

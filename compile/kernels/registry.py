@@ -28,19 +28,8 @@ class KernelSet:
     rope_kv_write_decode_dev: Callable | None = None
     paged_attention_decode_dev: Callable | None = None
     # How a block of one kv head sits in the K pool (the pool's shape is the same either way):
-    # "slot-major" ``[slot, dim]`` or "dim-major" ``[dim, slot]`` (``common.K_BLOCK_LAYOUT``).
+    # "slot-major" ``[slot, dim]`` or "dim-major" ``[dim, slot]`` (``cpu.simd.K_BLOCK_LAYOUT``).
     k_block_layout: str = "slot-major"
-
-
-def cpu_kernels() -> KernelSet:
-    from . import attention, gemv, linear, norm, rope_kv
-    from .common import K_BLOCK_LAYOUT
-
-    return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu, linear.linear,
-                     linear.linear_swiglu, rope_kv.rope_kv_write_decode,
-                     rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
-                     attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
-                     attention.paged_attention_decode_dev, K_BLOCK_LAYOUT)
 
 
 # Targets whose device code cannot hold the int64 buffers of the ``*_decode_dev`` kernels
@@ -51,6 +40,8 @@ NO_DECODE_DEV = ("webgpu",)
 def kernels_for(target_kind: str) -> KernelSet:
     """CPU kernels for llvm, thread-bound GPU kernels for every GPU target."""
     if target_kind == "llvm":
+        from .cpu import cpu_kernels
+
         return cpu_kernels()
     from .gpu import gpu_kernels
 

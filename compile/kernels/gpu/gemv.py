@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS
-from .common import cached, dtype_tag, gate_up_rows, pick_tile
-from .gpu import WARP, finalize
-from .signatures import gemv_func
+from ...params import GATE_UP_ROWS
+from ..common import cached, dtype_tag, gate_up_rows, pick_tile
+from ..signatures import gemv_func
+from .common import WARP, finalize
 
 R = 4  # warps per block
 MIN_BLOCKS = 264  # two blocks per SM of the largest GPU we target: more rows per warp only above

@@ -18,8 +18,8 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, finalize, k_block_view, scratch_buffer
-from .linear import token_dim
+from ..common import cached, dtype_tag, finalize, token_dim
+from .simd import k_block_view, scratch_buffer
 
 
 def _rope_macro(Hq, Hkv, D, cdt):

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS
-from .common import (VL, cached, claimed_units, dtype_tag, finalize, gate_up_rows,
-                     lane_slice, lane_sum_macro, prefetch_ahead_macro, scratch_buffer)
+from ...params import GATE_UP_ROWS
+from ..common import cached, dtype_tag, finalize, gate_up_rows
+from ..signatures import gemv_func
 from .fastmath import fexp
-from .signatures import gemv_func
+from .simd import (VL, claimed_units, lane_slice, lane_sum_macro, prefetch_ahead_macro,
+                   scratch_buffer)
 
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
 KU = 4  # independent accumulators along K (hides the FMA latency)

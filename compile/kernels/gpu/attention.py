@@ -33,9 +33,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag
-from .gpu import block_reduce, finalize
-from .linear import token_dim
+from ..common import cached, dtype_tag, token_dim
+from .common import block_reduce, finalize
 
 NEG = -3.0e38  # the score of a masked position; exp(NEG - max) is 0
 

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import cached, dtype_tag, gate_up_rows
-from .gpu import finalize
-from .linear import EPILOGUES, token_dim
-from .signatures import matmul_func
+from ..common import EPILOGUES, cached, dtype_tag, gate_up_rows, token_dim
+from ..signatures import matmul_func
+from .common import finalize
 
 TX, TY = 16, 16  # threads: columns x tokens
 MI, NJ = 2, 4  # micro-tile per thread: tokens x columns

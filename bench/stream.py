@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, finalize, prefetch_ahead_macro, scratch_buffer
+from paged_decode.compile.kernels.common import finalize
+from paged_decode.compile.kernels.cpu.simd import VL, prefetch_ahead_macro, scratch_buffer
 
 ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .params import split_gate_up
+from paged_decode.compile.config import ModelConfig
+from paged_decode.compile.params import split_gate_up
 
 
 def _split_params(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:

@@ -12,20 +12,13 @@ The SwiGLU variant reads W (2I, K), gate and up rows in alternating runs
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
-from ..params import GATE_UP_ROWS
-from .common import VL, cached, dtype_tag, finalize, gate_up_rows, pick_tile, scratch_buffer
+from ...params import GATE_UP_ROWS
+from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
+from ..signatures import matmul_func
 from .fastmath import fexp
-from .signatures import matmul_func
-
-EPILOGUES = ("none", "bias", "residual")
-
-
-def token_dim(n_static: int | None):
-    """The token dimension: a fresh symbolic ``n`` for prefill, the constant for decode."""
-    return tirx.Var("n", "int64") if n_static is None else n_static
+from .simd import VL, scratch_buffer
 
 
 TM = 4  # tokens per tile

@@ -32,10 +32,9 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .common import (STACK_BYTES, cached, dtype_tag, finalize, k_block_view, lane_slice,
-                     pick_tile, prefetch_ahead_macro, scratch_buffer)
+from ..common import cached, dtype_tag, finalize, pick_tile, token_dim
 from .fastmath import fexp
-from .linear import token_dim
+from .simd import STACK_BYTES, k_block_view, lane_slice, prefetch_ahead_macro, scratch_buffer
 
 
 PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import VL, cached, dtype_tag, finalize, scratch_buffer
-from .linear import token_dim
+from ..common import cached, dtype_tag, finalize, token_dim
+from .simd import VL, scratch_buffer
 
 
 @cached

@@ -25,8 +25,8 @@ import numpy as np
 
 from . import baselines
 from .baselines import median_ms, warm_up
-from .api import prepare
-from .weights import ModelSource, resolve_model
+from paged_decode.compile.api import prepare
+from paged_decode.compile.weights import ModelSource, resolve_model
 
 # Each run alternates ``rounds`` rounds of: per context a bracketed pair (bandwidth, ours,
 # llama.cpp, ours, bandwidth), redone up to ``retries`` times while it straddles a regime flip,
@@ -47,8 +47,8 @@ def _stream_kernel(n_rows: int):
     """The compiled streaming-read kernel (built once per size; every round measures again)."""
     import tvm
 
-    from .kernels.stream import stream_read
-    from .targets import resolve_target
+    from .stream import stream_read
+    from paged_decode.compile.targets import resolve_target
 
     return tvm.compile(stream_read(n_rows), target=resolve_target(None).target)[
         f"stream_read_{n_rows}"]
@@ -61,7 +61,7 @@ def _stream_source(n_rows: int):
     decode read through the same kind of pages."""
     from paged_decode.runtime.host_memory import HostArena, to_tvm
 
-    from .kernels.stream import CHUNKS, ROW
+    from .stream import CHUNKS, ROW
 
     shape = (CHUNKS, n_rows, ROW)
     host = HostArena.for_arrays([(shape, "float32")]).take(shape, "float32")
@@ -73,8 +73,8 @@ def measure_bandwidth(mb: int, repeats: int = 7) -> float:
     """GB/s of a parallel streaming read over ``mb`` MiB (median of ``repeats``)."""
     import tvm
 
-    from .kernels.common import VL
-    from .kernels.stream import CHUNKS, ROW
+    from paged_decode.compile.kernels.cpu.simd import VL
+    from .stream import CHUNKS, ROW
 
     n_rows = mb * (1 << 20) // (4 * ROW * CHUNKS)
     fn, src = _stream_kernel(n_rows), _stream_source(n_rows)
@@ -83,23 +83,23 @@ def measure_bandwidth(mb: int, repeats: int = 7) -> float:
     return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
 
 
-def streamed_params(m: dict, weights) -> list:
+def streamed_params(m, weights) -> list:
     """The weight tensors a decode step reads whole, in the artifact's parameter order: all but
     an untied embedding (gathered a row per token; tied, it is the LM head and streamed)."""
-    names = [p[0] for p in m["params"]]
+    names = [p[0] for p in m.params]
     return [t for name, t in zip(names, weights.params)
             if not (name == "embed" and "lm_head" in names)]
 
 
-def bytes_per_token(m: dict, weights, ctx: int) -> int:
+def bytes_per_token(m, weights, ctx: int) -> int:
     """Weights read once per token (the embedding only a row unless tied) + K/V up to ``ctx``."""
     total = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
                 for t in streamed_params(m, weights))
-    kv = 2 * m["n_layers"] * ctx * m["n_kv_heads"] * m["head_dim"] * np.dtype(m["cache_dtype"]).itemsize
+    kv = 2 * m.n_layers * ctx * m.n_kv_heads * m.head_dim * np.dtype(m.cache_dtype).itemsize
     return total + kv
 
 
-def streamed_matrices(m: dict, weights) -> list:
+def streamed_matrices(m, weights) -> list:
     """The matrices among ``streamed_params`` (each a stream of its own in a decode step; the
     1-D norm gains and biases are read inside the GEMVs)."""
     return [t for t in streamed_params(m, weights) if len(t.shape) == 2]
@@ -120,9 +120,7 @@ class _Ours:
     def pool(self, num_blocks: int):
         from paged_decode.runtime.kv_pool import PagedKVCache
 
-        m = self.m
-        return PagedKVCache(m["n_layers"], m["n_kv_heads"], m["head_dim"], m["block_size"],
-                            m["cache_dtype"], num_blocks=num_blocks)
+        return PagedKVCache.for_artifact(self.artifact, num_blocks=num_blocks)
 
     def session(self, pool):
         from paged_decode.runtime.session import PagedDecodeSession
@@ -133,7 +131,7 @@ class _Ours:
         """One decode step (a callable) at context ``ctx`` on a fresh pool, the sequence cut to
         ``ctx - 1`` tokens with room for ``n_tokens`` + 52 more, through an identity block table
         or a scattered one (a filler sequence's blocks between ours)."""
-        cap, bs = self.m["max_blocks_cap"], self.m["block_size"]
+        cap, bs = self.m.max_blocks_cap, self.m.block_size
         pool = self.pool(2 * cap if scattered else cap)
         filler = pool.new_sequence() if scattered else None
         handle = pool.new_sequence()
@@ -179,10 +177,10 @@ class _Ours:
 
         from paged_decode.runtime.host_memory import to_tvm
 
-        from .build import EXEC_MODE, relax_pipeline
-        from .kernels.common import VL
-        from .kernels.stream import CHUNKS, stream_words
-        from .targets import resolve_target
+        from paged_decode.compile.build import EXEC_MODE, relax_pipeline
+        from paged_decode.compile.kernels.cpu.simd import VL
+        from .stream import CHUNKS, stream_words
+        from paged_decode.compile.targets import resolve_target
 
         words = []  # each matrix's bytes as int32 words, in place (no copy)
         for t in streamed_matrices(self.m, self.weights):
@@ -219,9 +217,9 @@ class _Ours:
     def prefill_tps(self, n: int) -> float:
         """Tokens/s of an ``n``-token prefill, after an untimed one of the same length (as for
         llama.cpp, whose first batch of a size after decoding re-plans its compute graph)."""
-        pool = self.pool(self.m["max_blocks_cap"])
+        pool = self.pool(self.m.max_blocks_cap)
         session = self.session(pool)
-        ids = np.random.default_rng(0).integers(0, self.m["vocab_size"], n)
+        ids = np.random.default_rng(0).integers(0, self.m.vocab_size, n)
         warm = pool.new_sequence()
         session.prefill(warm, ids)
         warm.release()
@@ -232,7 +230,7 @@ class _Ours:
 
     def replan_ratio(self, n_tokens: int) -> dict:
         """Per-token time with a fresh session (plan) every token vs the bound session."""
-        pool = self.pool(self.m["max_blocks_cap"])
+        pool = self.pool(self.m.max_blocks_cap)
         handle = pool.new_sequence()
         session = self.session(pool)
         session.prefill(handle, [1, 2, 3])
@@ -244,7 +242,7 @@ class _Ours:
     def host_overhead_us(self, ctx: int = 16, n: int = 400) -> dict:
         """Whole Python step vs the VM's own time evaluator on the same arguments, at contexts
         ``ctx`` to ``ctx + 32`` (the fixed cost, not attention over a long context)."""
-        pool = self.pool(self.m["max_blocks_cap"])
+        pool = self.pool(self.m.max_blocks_cap)
         handle = pool.new_sequence()
         session = self.session(pool)
         session.prefill(handle, list(range(1, ctx)))
@@ -435,8 +433,8 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     every_pair = [p for c in ctxs for p in pairs[c]]
     rs = "read_stable"
 
-    res = {"compile_seconds": m["compile_seconds"], "cache_hit": prepared.cache_hit,
-           "load_seconds": ours.load_seconds, "library_mb": m["library_bytes"] / 1e6,
+    res = {"compile_seconds": m.compile_seconds, "cache_hit": prepared.cache_hit,
+           "load_seconds": ours.load_seconds, "library_mb": m.library_bytes / 1e6,
            "decode_ms": {c: float(np.median([t for p in pairs[c] for t in p["ours_ms"]]))
                          for c in ctxs},
            "prefill_tps": {p: float(np.median(v)) for p, v in o_pre.items()},
@@ -458,7 +456,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
                "ours_over": {c: _over_pairs(pairs[c], ours_over_read, rs) for c in ctxs},
                "ours_over_by_regime": {c: _by_regime(pairs[c], split, ours_over_read, rs)
                                        for c in ctxs}}}
-    if m["name"] == "tiny":
+    if m.name == "tiny":
         res["host_overhead"] = ours.host_overhead_us()
     baselines_out = {}
     if lc is None:
@@ -480,7 +478,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
-    return {"model": model, "dtype": dtype, "block_size": m["block_size"],
+    return {"model": model, "dtype": dtype, "block_size": m.block_size,
             "bandwidth_gbps": float(np.median(bw)),
             "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
@@ -539,6 +537,6 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                 say(f"{model} {dtype}")
                 report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts, say,
                                                     Path(work)))
-    from .bench_report import write_outputs
+    from .report import write_outputs
 
     return write_outputs(report, out_dir)

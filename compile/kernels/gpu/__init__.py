@@ -1,0 +1,14 @@
+"""The thread-bound GPU kernel set (cuda, metal, webgpu, opencl, vulkan); see ``common``."""
+
+from __future__ import annotations
+
+from ..registry import KernelSet
+from . import attention, gemv, linear, norm
+
+
+def gpu_kernels() -> KernelSet:
+    return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu, linear.linear,
+                     linear.linear_swiglu, attention.rope_kv_write_decode,
+                     attention.rope_kv_write_prefill, attention.paged_attention_decode,
+                     attention.paged_attention_prefill, attention.rope_kv_write_decode_dev,
+                     attention.paged_attention_decode_dev)

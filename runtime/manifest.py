@@ -1,0 +1,139 @@
+"""``manifest.json`` parsed once into a frozen :class:`Manifest`.
+
+The build side writes the manifest (``compile/build.py: manifest_for``) and the library reports
+the same fields through ``_metadata()``; the loader checks both and then reads attributes only.
+A missing field, an unknown one or a value of the wrong type is an ``ArtifactError`` naming the
+field, so a damaged or foreign manifest never reaches a kernel call as a ``KeyError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .checks import is_int
+from .errors import ArtifactError
+from .kv_pool import CACHE_DTYPES, K_BLOCK_LAYOUTS
+
+
+def _positive(v) -> bool:
+    return is_int(v) and v > 0
+
+
+def _text(v) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+def _param(v) -> bool:
+    """``[name, shape, dtype]`` as the weight pack lists it."""
+    return (isinstance(v, list) and len(v) == 3 and _text(v[0]) and _text(v[2])
+            and isinstance(v[1], list) and all(is_int(d) and d >= 0 for d in v[1]))
+
+
+# field -> (rule as the error states it, check); the order is the dataclass's
+_RULES = {
+    "manifest_format": ("a positive integer", _positive),
+    "name": ("a non-empty string", _text),
+    "key": ("an object", lambda v: isinstance(v, dict)),
+    "digest": ("a non-empty string", _text),
+    "target_kind": ("a non-empty string", _text),
+    "library": ("a file name inside the artifact folder",
+                lambda v: _text(v) and "/" not in v and v not in (".", "..")),
+    "link_note": ("a string", lambda v: isinstance(v, str)),
+    "n_layers": ("a positive integer", _positive),
+    "n_kv_heads": ("a positive integer", _positive),
+    "head_dim": ("a positive integer", _positive),
+    "vocab_size": ("a positive integer", _positive),
+    "max_blocks_cap": ("a positive integer", _positive),
+    "block_size": ("a positive integer", _positive),
+    "cache_dtype": (f"one of {list(CACHE_DTYPES)}", lambda v: v in CACHE_DTYPES),
+    "weight_dtype": ("a non-empty string", _text),
+    "k_block_layout": (f"one of {list(K_BLOCK_LAYOUTS)}", lambda v: v in K_BLOCK_LAYOUTS),
+    "params": ("a list of [name, shape, dtype]",
+               lambda v: isinstance(v, list) and all(_param(p) for p in v)),
+    "functions": ("a list of function names",
+                  lambda v: isinstance(v, list) and all(_text(f) for f in v)),
+    # written beside the library after the build (the library cannot report them)
+    "compile_seconds": ("a non-negative number",
+                        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and v >= 0),
+    "library_sha256": ("64 hex digits", lambda v: isinstance(v, str) and len(v) == 64),
+    "library_bytes": ("a positive integer", _positive),
+}
+DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
+_OPTIONAL = {"model_arg": ("a string", lambda v: isinstance(v, str))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What an artifact was built as (shapes, dtypes, layout, functions) and how to verify it.
+
+    ``params`` is ``((name, shape, dtype), ...)`` in the order the compiled functions take
+    them; ``key`` the artifact key fields whose digest is ``digest``.
+    """
+
+    manifest_format: int
+    name: str
+    key: dict
+    digest: str
+    target_kind: str
+    library: str
+    link_note: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_blocks_cap: int
+    block_size: int
+    cache_dtype: str
+    weight_dtype: str
+    k_block_layout: str
+    params: tuple
+    functions: tuple
+    compile_seconds: float
+    library_sha256: str
+    library_bytes: int
+    model_arg: str | None = None
+
+    @classmethod
+    def parse(cls, data: dict, path: Path | str, hint: str) -> "Manifest":
+        """Check every field of ``data`` (a manifest.json object read from ``path``); the
+        error names the field, its value and the rule, then ``hint`` (how to rebuild)."""
+        where = f"{path}: manifest.json"
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{where} holds a {type(data).__name__}, not an object; {hint}")
+        unknown = sorted(set(data) - set(_RULES) - set(_OPTIONAL))
+        if unknown:
+            raise ArtifactError(f"{where} has unknown field {unknown[0]!r} (this runtime reads "
+                                f"{sorted(_RULES)}); {hint}")
+        for field, (rule, ok) in {**_RULES, **_OPTIONAL}.items():
+            if field not in data:
+                if field in _OPTIONAL:
+                    continue
+                raise ArtifactError(f"{where} lacks field {field!r}; {hint}")
+            if not ok(data[field]):
+                raise ArtifactError(f"{where} field {field}={data[field]!r}: must be {rule}; "
+                                    f"{hint}")
+        values = dict(data)
+        values["params"] = tuple((n, tuple(s), d) for n, s, d in data["params"])
+        values["functions"] = tuple(data["functions"])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        """The JSON object this manifest was parsed from (lists where JSON has them)."""
+        d = dataclasses.asdict(self)
+        d["params"] = [[n, list(s), dt] for n, s, dt in self.params]
+        d["functions"] = list(self.functions)
+        if self.model_arg is None:
+            del d["model_arg"]
+        return d
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens one sequence can hold: ``max_blocks_cap * block_size``."""
+        return self.max_blocks_cap * self.block_size
+
+    @property
+    def param_layout(self) -> list:
+        """``params`` as weights.json lists them (``[[name, [shape], dtype], ...]``)."""
+        return [[n, list(s), d] for n, s, d in self.params]
