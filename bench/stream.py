@@ -17,10 +17,8 @@ ROW = 4096  # floats per row (16 KiB)
 CHUNKS = 16  # contiguous regions, spread over the cores
 KU = 4
 # Each step of ``KU * VL`` words also prefetches its cache lines this many bytes ahead as data
-# read once, as the GEMVs do (``gemv.PREFETCH_BYTES``): a 512 MiB read on Zen 5 at 50-55 GB/s
-# ran a median 1.039x faster with it than without (1.014-1.083, 12 alternating rounds; 1.5 KiB
-# ahead 1.028x, 8 KiB 1.036x, 4 KiB into L2 0.99x), so the floor taken without it was that
-# much too low.
+# read once, as the GEMVs do (``gemv.PREFETCH_BYTES``): without it the floor reads low
+# (docs/benchmarks.md).
 PREFETCH_BYTES = 4096
 _prefetch = prefetch_ahead_macro(KU * VL, "float32", PREFETCH_BYTES)  # 4-byte words either way
 
@@ -54,7 +52,7 @@ def stream_words(n: int):
     accumulators, the last chunk taking the remainder; ``partial (CHUNKS, VL)`` int32 holds the
     wrapping sums (integer adds: a float16 tensor's bits read as float32 could be denormals, whose
     arithmetic is slow).  Timed over each weight matrix in turn, it is a decode step with the
-    arithmetic taken out (``bench._Ours.weights_read_ms``)."""
+    arithmetic taken out (``run._Ours.weights_read_ms``)."""
     per = n // CHUNKS
     body = per // (VL * KU) * (VL * KU)  # words of a chunk read by the vector loop
 

@@ -141,9 +141,7 @@ def _per_call_inputs(n: int) -> dict:
     """Function attributes marking the first ``n`` parameters as the per-call inputs and the rest
     (pools, weights) as bound ones: the VM then checks the weights' types and shapes only inside
     the kernels (every kernel checks its own arguments), not once more per call at the function's
-    entry (three packed calls per weight tensor: 225 of a decode step's 672 at the 160M shape, each
-    on a cache the step's weight stream has emptied; that step ran 1.02-1.03x faster at 55-80
-    GB/s without them, 1.00-1.02x below)."""
+    entry, three packed calls per weight tensor (docs/design.md)."""
     return {"num_input": n}
 
 

@@ -4,7 +4,7 @@ Matrices keep the HF ``[out_features, in_features]`` layout (the GEMV streams ro
 gate/up are joined along ``out_features`` once at load time so one kernel reads each.  q/k/v are
 concatenated; gate and up rows alternate in runs of ``GATE_UP_ROWS`` (see ``gate_up_row``), so
 the SwiGLU GEMV reads one contiguous stream instead of switching between two regions ``I`` rows
-apart (at the 160M shape: 25-31 GB/s from two regions, 30-33 from one).
+apart (measured in docs/design.md).
 Norm weights and biases are always float32; matrices and the embedding use the weight dtype.
 """
 

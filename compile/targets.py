@@ -68,19 +68,9 @@ class TargetSpec:
     def default_block_size(self) -> int:
         """Tokens per KV block when the user names none.  On the CPU a decode thread reads a
         block of every kv head as one run from K and one from V, and the hardware prefetcher
-        starts over at every run of a scattered block table; longer blocks mean fewer restarts.
-        Whole decode step at the 160M shape, context 1024, 64-token blocks against 32-token ones
-        (96 KiB runs against 48 KiB in float16), each on an identity and a scattered table, 30
-        alternating rounds: scattered / identity 1.016 against 1.036 (float32, 58 GB/s
-        streaming read), 1.037 against 1.051 (float16, 78 GB/s), identity tables within 1.5 %
-        of each other; contexts 16 and 256 and prefill of 128 / 512 tokens within noise.
-        Attention alone at TinyLlama's shape (8 query heads per kv head), context 1024: 1.06x
-        (float16) and 1.15x (float32) faster.  With K blocks stored row-major (before
-        ``K_BLOCK_LAYOUT``) 64-token blocks had run up to 6 % slower on an identity table.
-        Software prefetch of the next block's first lines at a block's start (1 or 4 KiB of K and
-        V) did not help a scattered table then; decode attention's prefetch that follows the
-        table past a block's end does (``attention.ROW_PREFETCH_BYTES``).  GPUs keep 16, the
-        common paged-attention block there."""
+        starts over at every run of a scattered block table; longer blocks mean fewer restarts
+        (64 against 32 and 128: docs/design.md).  GPUs keep 16, the common paged-attention block
+        there."""
         return 64 if self.kind == "llvm" else 16
 
     @property

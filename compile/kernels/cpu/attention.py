@@ -13,15 +13,14 @@ context's blocks among the parallel lanes, each lane taking every head of a bloc
 next block, and merges the lanes' softmax states (see ``PART_ROWS``); prefill splits by (query
 row, kv head).  A block holds each kv head's rows contiguously (``[block, kv_head, ...]``, a
 block's heads one after the other), so a block of one head is one ``block_size x D`` run and a
-block of all heads one run of Hkv times that, whatever block the table points at: with the
-``[block, slot, kv_head, dim]`` order, a head's rows were strided and a scattered table broke
-the prefetcher's stride at every block (attention 1.6x slower than on an identity table).
+block of all heads one run of Hkv times that, whatever block the table points at: the hardware
+prefetcher follows runs and restarts at every jump.
 Within its run a V block is ``[slot, dim]`` and a K block ``[dim, slot]`` (``K_BLOCK_LAYOUT``,
 written so by ``rope_kv``): a block's scores are then vector multiply-adds over its slots, one
 dim (one q element per head) at a time, with no horizontal sum per row (``scores``).  The
 running max / sum update is vectorised over the group's heads (over the block's rows when the
 group is one head), and each V row is read once per ``SV_HEADS`` heads; no scratch grows with
-the context.
+the context.  Why each of these, with the measurements: docs/design.md.
 """
 
 from __future__ import annotations
@@ -38,68 +37,20 @@ from .simd import STACK_BYTES, k_block_view, lane_slice, prefetch_ahead_macro, s
 
 
 PARALLEL_MIN_WORK = 1 << 15  # multiply-adds of q.K below which decode attention runs serially
-# A block's scores: K stored [dim, slot] (``K_BLOCK_LAYOUT``) turns q.K into, for each dim, one
-# q element times a vector of the block's slots, accumulated for GQ query heads at a time (as
-# many as keep GQ x block_size <= SCORE_FLOATS partial scores in registers) in KP partial sums
-# (enough for SCORE_CHAINS independent vector chains).  With K stored [slot, dim], each row's
-# dot product ended in a horizontal sum, and one core computed attention from L2 at about 30
-# cycles per K / V row.  Against that (one thread, from cache, 32-token blocks): the 160M shape
-# at context 256 1.42x faster with a float16 cache and 1.11x with float32; TinyLlama's (8 query
-# heads per kv head) at context 1024 1.31x with float16; prefill attention of 512 tokens
-# 1.2-1.27x.  Reading from DRAM on both cores it gained less (the 160M shape, float16, context
-# 1024: 1.04-1.05x at a 74 GB/s streaming read), where the read, not the arithmetic, bounds it.
-# With 8 query heads per kv head the kernel stays bound by its multiply-adds (two per K / V
-# element per head); converting the block's float16 K and V to float32 once into scratch, for
-# every head group to read, ran no faster and was not kept.  A V row is read once per SV_HEADS
-# heads, their sums in stack scratch that LLVM keeps in registers (3 heads x 8 vectors at
-# head_dim 64).  SCORE_FLOATS 192 rather than 128 lets 3 query heads per kv head (SmolLM2)
-# share each K column read with 64-token blocks (GQ 3, 12 of AVX-512's 32 vector registers of
-# scores, against GQ 1): at that shape, context 1024, both threads, decode attention from cache
-# 1.04x (float16) / 1.13x (float32) faster, RoPE + attention on a cold cache 1.09x / 1.06x;
-# whole SmolLM2-shape steps at contexts 256 / 1024, 10 alternating rounds at 49-54 GB/s, 0.973 /
-# 0.982 of the time (float16) and 0.984 / 1.003 (float32).  GQ stays as it was for 1, 2, 4 and
-# 8 query heads per kv head at every block size.
+# A block's scores: for each dim, one q element times a vector of the block's slots (K stored
+# [dim, slot]), for GQ query heads at a time (as many as keep GQ x block_size <= SCORE_FLOATS
+# partial scores in registers) in KP partial sums (at least SCORE_CHAINS independent vector
+# chains).  192 rather than 128 lets SmolLM2's 3 query heads per kv head share each K column read
+# with 64-token blocks.  A V row is read once per SV_HEADS heads, their sums in stack scratch.
 SV_HEADS = 3
 SCORE_FLOATS, SCORE_CHAINS = 192, 8
-# Decode over a context of several blocks splits the blocks, not the heads, among the parallel
-# lanes (``split_parts``: parts of whole blocks, at most about PART_ROWS rows each, at least two,
-# at most MAX_PARTS; with parts counted in blocks, 128-token blocks ran a 1024-token context on
-# one thread, and 64-token ones a 512-token one); a lane reads each of its
-# blocks for every head before the next block, and the parts' softmax states are merged at the
-# end.  The pool keeps a block's heads adjacent (``[block, kv_head, slot, dim]``), so a lane reads
-# one run of Hkv * block_size * D elements per block from K and one from V, where splitting by
-# head gave it two runs of block_size * D (4 KiB at the 160M shape, f32).  The hardware
-# prefetcher restarts at every run: read alone, runs in a scattered order got, against one long
-# stream, 0.29 (4 KiB) / 0.59 (48 KiB) with the machine's read at 62 GB/s, 0.52 / 0.79 at 34 GB/s.
-# It also scales past as many cores as kv heads.  Whole decode step at context 1024 (160M shape,
-# 34 GB/s), against splitting by head: 0.986 (f32) / 0.983 (f16); attention alone on a scattered
-# table within noise of it (f32: 0.67-0.79 against 0.70-0.75 of the streaming read).  A lane
-# stepping through two parts side by side (two concurrent runs) read a scattered table 1.1x
-# faster but an identity one up to 1.1x slower (whole step, context 1024, f16: scattered 1-4 %
-# faster, identity 2-4 % slower): not kept.  Longer blocks (``TargetSpec.default_block_size``)
-# are what shortens a scattered table's restarts.
+# Decode over several blocks splits the blocks, not the heads, among the lanes (``split_parts``:
+# whole blocks, at most about PART_ROWS rows per part, at least two parts, at most MAX_PARTS), so
+# a lane reads one run of Hkv * block_size * D elements per block from K and one from V.
 PART_ROWS, MAX_PARTS = 128, 16
-# Decode attention prefetches in software, as data read once (``prefetch_nta``, as the GEMVs
-# do), along the block table: reading a head's K (one dim of the block at a time) or V (one row at
-# a time), the lines ROW_PREFETCH_BYTES further on in the block, and past the block's end in the
-# table's next block (``ahead_index``: a block's last 4 KiB of K / V prefetch the first of its
-# successor's, wherever that is).  The hardware prefetcher follows a run but restarts at every
-# jump, and with 3 kv heads (SmolLM2) a 64-token block is a run of only 24 KiB in float16: there,
-# context 1024, scattered over identity table 1.077 with no software prefetch, 1.026 (6
-# alternating rounds, slow regime; 1.046-1.049 in later runs) with the prefetch running on into the
-# physically next block and the successor's first 4 KiB of K and V prefetched at the start of
-# each block where the table jumps; following the table instead, 1.013-1.018 (6-10 rounds, one
-# weights instance for both builds), identity steps at contexts 16 / 256 / 1024 within 1 %; the
-# 160M shape 1.023 -> 1.014 (float16) and 1.011 -> 1.003 (float32), SmolLM2's float32 1.019 ->
-# 1.016, TinyLlama's float16 1.007 -> 1.001, identity steps and prefill within the noise.  The
-# prefetch at jumps on top of it: SmolLM2 float16 1.019 against 1.013, 160M float16 1.012 against
-# 1.008 (identity steps within 1 %), not kept.  The 160M shape, float32: identity steps at
-# context 1024 0.961 (fast regime) / 0.988 (slow) of the time against prefetching 1.5 KiB ahead
-# into L2, float32 only, as before.  Into L2 a float16 cache had run 1.2-1.7x slower with it;
-# 16 KiB at jumps was worse than 2-8 KiB.  Prefetching whole blocks ahead (the grouped step did:
-# the block two ahead, into L2, at the block's start) made the step no faster at TinyLlama's
-# shape (1.003 / 1.002 at context 1024) and slower at SmolLM2's (1.040 f16, 1.018 f32); decode
-# attention alone, cold, at SmolLM2's: 1.27x slower on an identity table.
+# Software prefetch as data read once (``prefetch_nta``), ROW_PREFETCH_BYTES ahead of each K
+# column step / V row, past a block's end into the table's next block (``ahead_index``): the
+# hardware prefetcher restarts at every jump of a scattered table.
 ROW_PREFETCH_BYTES = 4096
 
 
@@ -111,8 +62,8 @@ def pool_flat(pool):
 
 def cvt_width(n: int, cdt: str) -> int:
     """Lanes per vector that reads ``cdt`` as float32: 8 for float16 (``vcvtph2ps`` into a
-    256-bit register converts twice as many elements per cycle as into a 512-bit one on Zen 4:
-    K / V reads from L2 ran 1.1x faster), 16 for float32; the largest that divides ``n``."""
+    256-bit register converts twice as many elements per cycle as into a 512-bit one; see
+    docs/design.md), 16 for float32; the largest that divides ``n``."""
     return pick_tile(n, (8, 4, 2, 1) if cdt == "float16" else (16, 8, 4, 2, 1))
 
 

@@ -5,21 +5,17 @@ computed once per call into a K-element scratch before the row loop; see ``x_dty
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
 over x), with a bias or a residual epilogue, or with SwiGLU over gate/up rows.  Rows are
 processed in units of ``RG`` rows (SwiGLU: ``SWIGLU_UNIT_TILES`` tiles of RG act rows, each
-tile's gate rows then its up rows), each row front to back with ``KU``
-independent accumulators: one sequential stream per core is what the hardware prefetcher follows
-best (interleaving 8 rows ran ~25 % slower per core).  Units are shared out by
-``claimed_units``: each parallel lane owns a contiguous run of them, and the last lane a thread
-runs then claims the units other threads have not reached, from the far end (see there).  A
-row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced and its epilogue (bias,
+tile's gate rows then its up rows), each row front to back with ``KU`` independent
+accumulators: one sequential stream per core is what the hardware prefetcher follows best.
+Units are shared out by ``claimed_units``: each parallel lane owns a contiguous run of them, and
+the last lane a thread runs then claims the units other threads have not reached, from the far
+end (see there).  A row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced and its epilogue (bias,
 residual, SiLU) applied for all RG rows at once, so no row ends in a serial horizontal-sum / exp
-/ divide chain (per-row reductions cost a third of an f16 GEMV's time when its weights sit in
-cache).  Small matrices run serially: waking the thread pool costs more than they do.
+/ divide chain.  Small matrices run serially: waking the thread pool costs more than they do.
 
 SwiGLU reads a unit's RG-row tiles of gate rows and up rows in turn: W stores them so
-(``params.gate_up_row``), which makes a unit one contiguous run of W.  With gate rows and up rows
-in two separate halves of W, a unit read from two places ``I`` rows apart: 25-31 GB/s against
-30-33 for the contiguous unit and 33-34 for a plain GEMV over the same bytes (160M shape, f32, a
-33-35 GB/s streaming read); at the 1.1B shape the three were within noise of each other.
+(``params.gate_up_row``), which makes a unit one contiguous run of W.  The measurements behind
+these choices are in docs/design.md.
 
 Buffers (float32 activations; W in the weight dtype; N, K static):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
@@ -43,22 +39,8 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
-# Each row step also prefetches the weights this many bytes ahead, on top of the hardware
-# prefetcher, as data read once (``prefetch_nta``).  Into L2 (``prefetcht1``), float32 3 KiB
-# ahead gained 1.5-2.2 % on a GEMV alone from DRAM, and float16 4 KiB ahead took the 160M
-# decode step 1.05-1.07x faster at 55-80 GB/s (1.02-1.03x below) against no prefetch.  The
-# non-temporal prefetch at these distances, against those, whole decode steps in alternating
-# rounds (Zen 5, 16 rounds at 160M, 8 at 1.1B; fast regime = streaming read >= 55 GB/s): 160M
-# float16 0.945-0.970 of the time in the fast regime (floor fraction at context 16, against
-# the streaming read before it prefetched too, 0.87 -> 0.92), 0.96-1.00 below; 160M float32
-# 0.944-0.955 fast (0.89 -> 0.94), 0.96-0.97 below; TinyLlama float16 0.973-0.980 (fast);
-# TinyLlama float32 0.99-1.00 (slow regime only).  The distances with it: float16 4 / 6 / 8 /
-# 12 KiB within 3 % of each other (6 and 8 the best at 160M, 6 at 1.1B); float32 1.5 KiB 1-2 %
-# better than 3 KiB at both shapes (TinyLlama float32 at 3 KiB: 1-4 % slower than the L2
-# prefetch).  ``prefetcht0`` did as well as non-temporal at 160M float16 but 2 % worse at
-# TinyLlama float32.  Also measured, not kept: KU = 8 (160M float16 steps 1.03x slower, float32
-# within 1 %), the same prefetch in the two-row pass (``row_pairs``: TinyLlama float32 within
-# 1 %), and non-temporal prefetches in decode attention (within 1 %).
+# Each row step also prefetches the weights this many bytes ahead as data read once
+# (``prefetch_nta``), on top of the hardware prefetcher; distances measured in docs/design.md.
 PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 
@@ -175,17 +157,15 @@ def _macros(K: int, eps: float, wdt: str):
 def x_dtype(K: int, wdt: str) -> str:
     """The dtype the GEMV reads its input vector in: float16 for float16 weights once a float32
     x would crowd the streamed rows out of L1 (K > 4096; x is re-read for every row), as
-    llama.cpp and HF's float16 path do; float32 otherwise.  At K = 5632 (TinyLlama's down
-    projection) that took the GEMV from 35 to 46 GB/s against a 57 GB/s streaming read."""
+    llama.cpp and HF's float16 path do; float32 otherwise (docs/design.md)."""
     return "float16" if wdt == "float16" and K * 4 > X_L1_BYTES else "float32"
 
 
 def row_pairs(K: int, wdt: str) -> bool:
     """Whether the GEMV reads two rows per pass over x: float32 weights whose float32 x would
     crowd the streamed rows out of L1 (K > 4096), so x is re-read half as often (float16 weights
-    read x in float16 instead, see ``x_dtype``).  TinyLlama's float32 down projection (K = 5632)
-    from DRAM: 0.93 -> 1.0 of the streaming-read bandwidth; at K <= 4096 pairs ran 5-10 % slower,
-    and so did float16 weights at K = 5632."""
+    read x in float16 instead, see ``x_dtype``); at K <= 4096 pairs ran slower
+    (docs/design.md)."""
     return wdt == "float32" and K * 4 > X_L1_BYTES
 
 

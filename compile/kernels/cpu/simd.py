@@ -74,8 +74,7 @@ def scratch_buffer(shape: tuple, dtype: str = "float32"):
     """A kernel-local scratch buffer, on the stack when TVM allows it (LLVM then keeps small
     ones in registers).  TVM lowers a "local"-scope buffer, or any of ``STACK_BYTES`` or more,
     on the CPU to a ``TVMBackendAllocWorkspace`` / ``FreeWorkspace`` pair at every entry of the
-    enclosing loop body: in a GEMV split 64 ways that was 384 calls per launch (~40 ns each).
-    Only a "global"-scope buffer under ``STACK_BYTES`` stays an ``alloca``.  Scratch that cannot
+    enclosing loop body (docs/design.md).  Only a "global"-scope buffer under ``STACK_BYTES`` stays an ``alloca``.  Scratch that cannot
     (a 16 x 16 float32 tile is exactly 1 KiB) is better declared once outside the parallel loop
     and sliced per lane (``lane_slice``); what is left here falls back to the workspace."""
     if math.prod(shape) * np.dtype(dtype).itemsize < STACK_BYTES:
@@ -120,7 +119,7 @@ def claimed_units(units: int, parallel: bool):
     Serial: lane 0 runs every unit in order.  Parallel: ``lanes = min(units, MAX_LANES)`` lanes
     own contiguous runs of units, as even as possible; TVM's thread pool hands each thread a
     contiguous block of lanes and runs them in order.  A static split left the two halves of a
-    GEMV finishing 5-66 us apart in a 300 us call (one core slower, or woken later), so:
+    GEMV finishing far apart (one core slower, or woken later; docs/design.md), so:
 
     - each lane claims its own units front to back (``front`` counter), and stops where a thief
       has claimed from the back (``back`` counter);
