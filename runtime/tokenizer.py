@@ -64,17 +64,28 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) stay whole.
 
         ``add_bos`` None uses the model's default.  No BOS is added when ``text`` already
-        starts with it (a chat template often writes it).
+        starts with it written out (a chat template often writes it); an unknown word that
+        encodes as the same id (a tokenizer whose unknown token is its BOS) still gets one.
         """
         if not isinstance(text, str):
             raise InputError(f"text must be a str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        check_text(text, "the text to encode")
+        enc = self.backend.encode(text, add_special_tokens=False)
+        ids = list(enc.ids)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise InputError("add_bos=True but this model has no BOS token; pass add_bos=False")
-            if ids[:1] != [self.bos_id]:
+            if not self._bos_written(text, enc):
                 ids.insert(0, self.bos_id)
         return ids
+
+    def _bos_written(self, text: str, enc: tokenizers.Encoding) -> bool:
+        """Whether the first token is the BOS spelled out in ``text`` (not, say, an unknown
+        word that maps to the same id)."""
+        if enc.ids[:1] != [self.bos_id]:
+            return False
+        start, end = enc.offsets[0]
+        return text[start:end] == self.token(self.bos_id)
 
     def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` (a list or a 1-D integer array)."""
@@ -95,6 +106,10 @@ class Tokenizer:
                                                      for m in messages):
             raise InputError("messages must be a list of {'role', 'content'} dicts, "
                              f"got {messages!r}")
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if isinstance(value, str):
+                    check_text(value, f"messages[{i}][{key!r}]")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         bos = self.token(self.bos_id) or ""
@@ -102,11 +117,38 @@ class Tokenizer:
         try:
             return self._template.render(messages=messages, bos_token=bos, eos_token=eos,
                                          add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as e:
-            raise InputError(f"the chat template rejected the messages: {e}") from e
+        except Exception as e:  # the template is the model's code: it can raise anything
+            raise InputError(f"the model's chat template failed while rendering the messages "
+                             f"({type(e).__name__}: {e}); run without --chat (a plain prompt "
+                             "is not templated)") from e
+
+    def encode_prompt(self, prompt: str, chat: bool = False, what: str = "the prompt"
+                      ) -> list[int]:
+        """``prompt`` as ids: as it is, or (``chat``) as the user message of the model's chat
+        template, rendered with the generation prompt (no second BOS: the template has it)."""
+        check_text(prompt, what)
+        if chat:
+            text = self.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.encode(text, add_bos=False)
+        return self.encode(prompt)
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
+
+
+def check_text(text: str, what: str) -> None:
+    """InputError unless ``text`` is valid Unicode text, i.e. encodes as UTF-8: a lone surrogate
+    ("\\ud800"), or a byte of invalid UTF-8 that Python kept as a surrogate escape (a shell
+    argument in another encoding), names its position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        kind = (f"the byte 0x{code - 0xDC00:02x} of invalid UTF-8 (kept as a surrogate escape)"
+                if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}")
+        raise InputError(f"{what} is not valid text: character {e.start} is {kind}; the text "
+                         "must be valid UTF-8 (check the terminal's or the file's encoding)"
+                         ) from None
 
 
 def _compile_template(source: str) -> jinja2.Template:

@@ -110,8 +110,8 @@ def _edited(base: dict, **changes) -> dict:
     (dict(hidden_size=_DELETE), "'hidden_size'"),
     (dict(vocab_size=_DELETE), "'vocab_size'"),
     (dict(intermediate_size=-5), "intermediate_size=-5"),
-    (dict(num_hidden_layers=0), "n_layers=0"),
-    (dict(num_attention_heads=0, head_dim=None), "n_q_heads=0"),
+    (dict(num_hidden_layers=0), "num_hidden_layers=0"),
+    (dict(num_attention_heads=0, head_dim=None), "num_attention_heads=0"),
     (dict(head_dim=63), "head_dim=63"),
     (dict(hidden_act="gelu"), "'gelu'"),
     (dict(rms_norm_eps=-1.0), r"rms_norm_eps=-1\.0"),
@@ -200,3 +200,205 @@ def test_prepare_takes_a_resolved_source_without_hashing_again(tmp_path, llama_c
     monkeypatch.setattr(weights, "_sha256_files", lambda paths: pytest.fail("hashed again"))
     with pytest.raises(PagedDecodeError):  # readonly: stops at the missing artifact
         api.prepare(source, max_context=64, artifacts=tmp_path, policy="readonly")
+
+
+# ------------------------------------------------------------------------------- strict fields
+
+@pytest.mark.parametrize("base, changes, message", [
+    # flags are JSON booleans: the string "false" is not false (nor true)
+    (LLAMA, dict(tie_word_embeddings="false"), r"tie_word_embeddings='false': must be true or"),
+    (LLAMA, dict(tie_word_embeddings=0), r"tie_word_embeddings=0: must be true or false"),
+    (LLAMA, dict(tie_word_embeddings=None), r"tie_word_embeddings=None: must be true or false"),
+    (QWEN2, dict(use_sliding_window="no"), r"use_sliding_window='no'"),
+    # sizes are integers: not strings, null, lists, floats or bools
+    (LLAMA, dict(hidden_size="2048"), r"hidden_size='2048': must be an integer, not str"),
+    (LLAMA, dict(hidden_size=None), r"hidden_size=None: must be an integer"),
+    (LLAMA, dict(hidden_size=[2048]), r"hidden_size=\[2048\]: must be an integer"),
+    (LLAMA, dict(hidden_size=96.7), r"hidden_size=96\.7: must be an integer, not a number with"),
+    (LLAMA, dict(hidden_size=2048.0), r"hidden_size=2048\.0: must be an integer"),
+    (LLAMA, dict(num_hidden_layers=True), r"num_hidden_layers=True: must be an integer, not bool"),
+    (LLAMA, dict(vocab_size=2**40), r"vocab_size=1099511627776: must be an integer in \[1, "),
+    (LLAMA, dict(num_key_value_heads=0), r"num_key_value_heads=0: must be an integer in \[1,"),
+    (LLAMA, dict(num_key_value_heads="8"), r"num_key_value_heads='8'"),
+    (LLAMA, dict(head_dim=0), r"head_dim=0: must be an integer in \[1,"),
+    (LLAMA, dict(max_position_embeddings=-1), r"max_position_embeddings=-1"),
+    # numbers are positive and finite
+    (LLAMA, dict(rms_norm_eps="1e-5"), r"rms_norm_eps='1e-5': must be a positive finite number"),
+    (LLAMA, dict(rms_norm_eps=None), r"rms_norm_eps=None"),
+    (LLAMA, dict(rms_norm_eps=float("nan")), r"rms_norm_eps=nan"),
+    (LLAMA, dict(rope_theta=float("inf")), r"rope_theta=inf"),
+    (LLAMA, dict(rope_theta=0), r"rope_theta=0"),
+    (LLAMA, dict(rope_theta=10**400), r"rope_theta=1000.*: must be a positive finite number"),
+    # rope_scaling, checked per type
+    (LLAMA, dict(rope_scaling=[1, 2]), r"rope_scaling=\[1, 2\]: must be an object or null"),
+    (LLAMA, dict(rope_scaling="llama3"), r"rope_scaling='llama3': must be an object"),
+    (LLAMA, dict(rope_scaling={"rope_type": 3}), r"rope_scaling\.rope_type=3: must be a string"),
+    (LLAMA, dict(rope_scaling={"type": "linear", "factor": 2.0}), r"type 'linear' is not supp"),
+    (LLAMA, dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), r"'dynamic'"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], factor=0)),
+     r"rope_scaling\.factor=0: must be a positive finite number"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], factor="32")), r"factor='32'"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], low_freq_factor=0.0)),
+     r"low_freq_factor=0\.0"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], high_freq_factor=1.0)),
+     r"high_freq_factor=1\.0: must be greater than low_freq_factor=1\.0"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], original_max_position_embeddings=8192.5)),
+     r"original_max_position_embeddings=8192\.5: must be an integer"),
+    (LLAMA, dict(rope_scaling=dict(LLAMA["rope_scaling"], rope_theta="big")),
+     r"rope_scaling\.rope_theta='big'"),
+    (QWEN2, dict(rope_parameters=dict(QWEN2["rope_parameters"], rope_type="yarn", factor=4.0)),
+     r"rope_parameters type 'yarn' is not supported"),
+    (QWEN2, dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                  "sliding_attention": {"rope_type": "default"}}),
+     r"rope_parameters per layer type is not supported"),
+    (LLAMA, dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5 is not supported"),
+    # features the code does not implement are refused, never ignored
+    (LLAMA, dict(attention_bias=True), r"attention_bias=true is not supported for Llama"),
+    (LLAMA, dict(attention_bias="false"), r"attention_bias='false': must be true or false"),
+    (LLAMA, dict(mlp_bias=True), r"mlp_bias=true is not supported"),
+    (LLAMA, dict(hidden_act=None), r"hidden_act=None: must be a string"),
+    (LLAMA, dict(hidden_act="gelu_pytorch_tanh"), r"'gelu_pytorch_tanh' is not supported"),
+    (LLAMA, dict(quantization_config={"quant_method": "gptq", "bits": 4}),
+     r"quantization_config \(quant_method='gptq'\) is set"),
+    (LLAMA, dict(architectures="LlamaForCausalLM"), r"architectures='LlamaForCausalLM'"),
+    (LLAMA, dict(architectures=[{"a": 1}]), r"architectures=\[\{'a': 1\}\]"),
+    (MISTRAL, dict(sliding_window="4096"), r"sliding_window='4096': must be an integer"),
+    (QWEN2, dict(layer_types=["full_attention"]), r"layer_types=\['full_attention'\]: must be"),
+    (QWEN2, dict(max_window_layers=-1), r"max_window_layers=-1"),
+])
+def test_bad_field_is_a_config_error_naming_it(base, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        from_hf_dict(_edited(base, **changes), name="bad")
+
+
+def test_not_an_object_is_a_config_error():
+    for raw in ([LLAMA], "config", 3, None):
+        with pytest.raises(ConfigError, match="must hold a JSON object"):
+            from_hf_dict(raw, name="bad")
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xff\xfe{}", r"not UTF-8 text \(byte 0 is 0xff\)"),
+    ('{"hidden_size": "caf\u00e9"}'.encode("latin-1"), r"not UTF-8 text \(byte \d+ is 0xe9\)"),
+    (b"", r"not valid JSON"),
+    (b'{"architectures": ["LlamaForCausalLM"],', r"not valid JSON"),
+    (b"[" * 100_000, r"not valid JSON"),
+    (b'{"hidden_size": ' + b"1" * 5000 + b"}", r"not valid JSON"),
+    (b"[1, 2]", r"must hold a JSON object, got list"),
+    (b"null", r"must hold a JSON object, got NoneType"),
+])
+def test_unreadable_config_json(tmp_path, data, message):
+    (tmp_path / "config.json").write_bytes(data)
+    with pytest.raises(ConfigError, match=message):
+        config.from_hf_dir(tmp_path)
+
+
+def test_defaults_are_transformers_defaults():
+    """Fields a config.json leaves out take transformers' per-architecture defaults."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    for base, hf_cls in ((LLAMA, LlamaConfig), (MISTRAL, MistralConfig), (QWEN2, Qwen2Config)):
+        raw = _edited(base, rms_norm_eps=_DELETE, max_position_embeddings=_DELETE,
+                      num_key_value_heads=_DELETE, num_attention_heads=8)
+        if base is QWEN2:
+            raw["num_attention_heads"] = 32  # Qwen2Config's default kv heads are 32
+        ref = hf_cls(**{k: v for k, v in raw.items() if k != "architectures"})
+        cfg = from_hf_dict(raw, name="defaults")
+        assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.n_kv_heads) == (
+            ref.rms_norm_eps, ref.max_position_embeddings, ref.num_key_value_heads), base
+
+
+def test_flags_and_biases_follow_transformers():
+    """Qwen2 always has q/k/v biases and Mistral none, whatever attention_bias says (their
+    modeling code does not read it); a real JSON false is false."""
+    assert from_hf_dict(dict(QWEN2, attention_bias=False), name="q").attention_bias
+    assert not from_hf_dict(dict(MISTRAL, attention_bias=True), name="m").attention_bias
+    assert not from_hf_dict(dict(LLAMA, tie_word_embeddings=False), name="l").tie_word_embeddings
+    assert from_hf_dict(dict(LLAMA, rope_theta=500000), name="l").rope_theta == 500000.0
+    assert from_hf_dict(dict(LLAMA, hidden_act="swish"), name="l").hidden_size == 2048
+
+
+def _hf_sliding(raw: dict) -> bool:
+    """Whether transformers' own config gives some layer a sliding window."""
+    from transformers import MistralConfig, Qwen2Config
+
+    hf_cls = Qwen2Config if raw["architectures"] == ["Qwen2ForCausalLM"] else MistralConfig
+    ref = hf_cls(**{k: v for k, v in raw.items() if k != "architectures"})
+    if hf_cls is MistralConfig:
+        return ref.sliding_window is not None
+    return ref.sliding_window is not None and "sliding_attention" in ref.layer_types
+
+
+SMALL_QWEN2 = dict(QWEN2, num_hidden_layers=4, max_position_embeddings=32768)
+
+
+@pytest.mark.parametrize("base, changes", [
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=4096, max_window_layers=2)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=_DELETE, max_window_layers=0)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=1024,
+                       layer_types=["full_attention", "sliding_attention"] * 2)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=1024, num_hidden_layers=30)),
+    (MISTRAL, dict(sliding_window=_DELETE)),  # MistralConfig's default window is 4096
+    (MISTRAL, dict(sliding_window=1024)),
+    (MISTRAL, dict(sliding_window=0)),  # a window of 0 masks every key in transformers
+])
+def test_sliding_window_that_applies_is_refused(base, changes):
+    raw = _edited(base, **changes)
+    assert _hf_sliding(raw)  # the reference: transformers runs some layer with a window
+    with pytest.raises(ConfigError, match=r"sliding_window=\d+ applies to .*not supported"):
+        from_hf_dict(raw, name="sliding")
+
+
+@pytest.mark.parametrize("base, changes", [
+    (SMALL_QWEN2, dict(use_sliding_window=False, sliding_window=4096, max_window_layers=0)),
+    (SMALL_QWEN2, dict(use_sliding_window=False, sliding_window=131072, max_window_layers=21,
+                       layer_types=["sliding_attention"] * 4)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=4096, max_window_layers=28)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=None, max_window_layers=0)),
+    (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=4096,
+                       layer_types=["full_attention"] * 4)),
+    (MISTRAL, dict(sliding_window=None)),
+])
+def test_full_attention_configs_still_load(base, changes):
+    """Qwen2 configs often carry a window with use_sliding_window false: full attention."""
+    raw = _edited(base, **changes)
+    assert not _hf_sliding(raw)
+    assert from_hf_dict(raw, name="full").n_layers == raw["num_hidden_layers"]
+
+
+GGUF_BASE = {"general.architecture": "llama", "llama.embedding_length": 64,
+             "llama.attention.head_count": 4, "llama.block_count": 2,
+             "llama.feed_forward_length": 128, "llama.vocab_size": 256}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"llama.embedding_length": 64.5}, r"llama\.embedding_length=64\.5: must be an integer"),
+    ({"llama.block_count": "2"}, r"llama\.block_count='2'"),
+    ({"llama.attention.head_count": [4, 4]}, r"llama\.attention\.head_count=\[4, 4\]"),
+    ({"llama.attention.head_count_kv": 0}, r"llama\.attention\.head_count_kv=0"),
+    ({"llama.vocab_size": True}, r"llama\.vocab_size=True"),
+    ({"llama.attention.layer_norm_rms_epsilon": float("nan")}, r"layer_norm_rms_epsilon=nan"),
+    ({"llama.rope.freq_base": -1.0}, r"llama\.rope\.freq_base=-1\.0"),
+    ({"llama.context_length": None}, r"llama\.context_length=None"),
+    ({"llama.attention.value_length": 8}, r"value_length=8: a value head size"),
+    ({"llama.rope.dimension_count": 8}, r"rope\.dimension_count=8: RoPE dimensions"),
+    ({"llama.expert_count": 8}, r"llama\.expert_count=8: mixture-of-experts"),
+    ({"llama.rope.scaling.type": "yarn"}, r"rope\.scaling\.type='yarn'"),
+    ({"_has_rope_freqs": True}, r"rope_freqs tensor=True"),
+    ({"general.architecture": ["llama"]}, r"general\.architecture=\['llama'\]"),
+])
+def test_bad_gguf_metadata_is_a_config_error(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        config.from_gguf_fields(dict(GGUF_BASE, **changes), "bad", "x.gguf")
+
+
+def test_config_values_are_exact_types():
+    cfg = from_hf_dict(LLAMA, name="l")
+    assert all(type(getattr(cfg, f)) is int for f in ("hidden_size", "n_layers", "head_dim"))
+    assert type(cfg.rms_norm_eps) is float and type(cfg.tie_word_embeddings) is bool
+    with pytest.raises(ConfigError, match="tie_word_embeddings='yes': must be a bool"):
+        ModelConfig(**dict(cfg.__dict__, tie_word_embeddings="yes"))
+    with pytest.raises(ConfigError, match="rope_theta='1e4'"):
+        ModelConfig(**dict(cfg.__dict__, rope_theta="1e4"))
+    with pytest.raises(ConfigError, match="rope_scaling.factor=0"):
+        RopeScaling(0, 1.0, 4.0, 8192)

@@ -102,20 +102,60 @@ def test_weights_key_follows_values(llama_ckpt, tmp_path):
     assert resolve_model(str(copy)).weights_key != key
 
 
-def _rewrite(ckpt, tmp_path, edit):
+def test_weights_key_covers_config_and_tokenizer_files(llama_ckpt, tmp_path):
+    """A tokenizer or chat template added to (or changed in) a model folder later gives a new
+    weight pack: weights_key hashes the config and every tokenizer file under its name."""
+    copy = shutil.copytree(llama_ckpt.path, tmp_path / "copy")
+    seen = {resolve_model(str(copy)).weights_key}
+
+    def changed_key():
+        key = resolve_model(str(copy)).weights_key
+        assert key not in seen
+        seen.add(key)
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        doc = json.loads((copy / name).read_text())
+        (copy / name).write_text(json.dumps(doc, indent=3))  # same content, other bytes
+        changed_key()
+    template = (copy / "chat_template.jinja").read_text()
+    (copy / "chat_template.jinja").write_text(template + " ")
+    changed_key()
+    (copy / "chat_template.jinja").unlink()
+    changed_key()
+    (copy / "chat_template.json").write_text(template)  # the same bytes under another name
+    changed_key()
+    (copy / "tokenizer.json").unlink()
+    changed_key()
+
+
+def test_weights_key_names_every_file_the_tokenizer_export_reads(llama_ckpt, tmp_path,
+                                                                 monkeypatch):
+    from pathlib import Path
+
+    source = resolve_model(str(llama_ckpt.path))
+    probed, is_file = set(), Path.is_file
+    monkeypatch.setattr(Path, "is_file", lambda p: probed.add(p) or is_file(p))
+    export_tokenizer(source, tmp_path)  # it looks for each file it reads first
+    read = {p.name for p in probed if p.parent == llama_ckpt.path}
+    assert "tokenizer.json" in read and read <= set(weights.HF_SIDE_FILES)
+
+
+def _rewrite(ckpt, tmp_path, edit) -> str:
     from safetensors.torch import load_file, save_file
 
     copy = shutil.copytree(ckpt.path, tmp_path / "edited")
     tensors = load_file(copy / "model.safetensors")
     edit(tensors)
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    return resolve_model(str(copy))
+    return str(copy)
 
 
 def test_missing_tensor_named(llama_ckpt, tmp_path):
-    source = _rewrite(llama_ckpt, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    """Found when the model is resolved, from the headers: before anything compiles."""
+    edited = _rewrite(llama_ckpt, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(WeightsError, match=r"layers\.1\.mlp\.up_proj\.weight.*model\.safetensors"):
-        source.load_params("float32")
+        resolve_model(edited)
 
 
 def test_wrong_shape_named(llama_ckpt, tmp_path):
@@ -123,9 +163,9 @@ def test_wrong_shape_named(llama_ckpt, tmp_path):
         name = "model.layers.0.self_attn.k_proj.weight"
         t[name] = t[name][:-1]
 
-    source = _rewrite(llama_ckpt, tmp_path, shrink)
+    edited = _rewrite(llama_ckpt, tmp_path, shrink)
     with pytest.raises(WeightsError, match=r"k_proj\.weight in .*model\.safetensors.*\[63, 64\]"):
-        source.load_params("float32")
+        resolve_model(edited)
 
 
 def test_hf_dir_without_safetensors(llama_ckpt, tmp_path):
