@@ -15,9 +15,27 @@ from pathlib import Path
 
 import click
 
-from paged_decode.runtime.errors import CapacityError, InputError, PagedDecodeError
+from paged_decode.runtime.errors import ArtifactError, CapacityError, InputError, PagedDecodeError
 
 DTYPE = click.Choice(["float32", "float16"])
+
+
+class _Buckets(click.ParamType):
+    """``2,4,8`` (rows of each compiled batch_decode) or ``none``."""
+
+    name = "B,B,..|none"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip().lower()
+        if text == "none":
+            return ()
+        try:
+            return tuple(int(v) for v in text.split(","))
+        except ValueError:
+            self.fail(f"{value!r}: give comma-separated row counts such as 2,4,8, or none",
+                      param, ctx)
 
 
 def _clean_errors(fn):
@@ -51,12 +69,19 @@ def build_options(fn):
                      help="block-table width (instead of --max-context)"),
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
         click.option("--weight-dtype", default="float32", show_default=True, type=DTYPE),
+        click.option("--batch-buckets", default=None, type=_Buckets(),
+                     help="rows of each compiled batched decode step, e.g. 2,4,8, or none "
+                     "(default: 2,4,8,16,32 on the CPU, none on GPUs)"),
         click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS",
                      help="artifact root [env PAGED_DECODE_ARTIFACTS]"),
         click.option("--cache", "policy", default=None, envvar="PAGED_DECODE_CACHE",
                      type=click.Choice(["on", "off", "redo", "readonly"]),
                      help="cache policy [env PAGED_DECODE_CACHE; default on]"),
-        click.option("--force", is_flag=True, help="rebuild even if cached (= --cache redo)"),
+        click.option("--force", is_flag=True, help="rebuild the library and the weight pack "
+                     "even if cached (= --cache redo)"),
+        click.option("--lock-timeout", default=600.0, show_default=True,
+                     type=click.FloatRange(min=0),
+                     help="seconds to wait for another process building the same artifact"),
     ]
     for opt in reversed(opts):
         fn = opt(fn)
@@ -83,7 +108,7 @@ def compile_cmd(print_key, verbose, **opts):
         from paged_decode.compile.api import key_of
 
         keep = ("model", "target", "block_size", "max_context", "max_blocks_cap", "cache_dtype",
-                "weight_dtype")
+                "weight_dtype", "batch_buckets")
         click.echo(json.dumps(key_of(**{k: opts[k] for k in keep}), indent=1, sort_keys=True))
         return
     prepared, seconds = _prepare(**opts)
@@ -126,8 +151,10 @@ def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool)
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--seed", default=None, type=int)
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--n", "n", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="continuations of the prompt, decoded in one batch (prefilled once)")
 @_clean_errors
-def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opts):
+def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **opts):
     """Compile (or reuse) the artifact, then stream a completion."""
     from paged_decode.runtime.engine import Engine
     from paged_decode.runtime.kv_pool import PoolConfigError
@@ -140,6 +167,9 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
     if not prompt and not chat:
         raise InputError("--prompt is empty: pass the text to continue")
     prepared, _ = _prepare(**opts)
+    if n > 1:
+        return _run_many(prepared, prompt, chat, n, max_new_tokens, sampling,
+                         opts["max_blocks_cap"] is not None)
     try:
         engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
     except PoolConfigError as e:  # the pool holds the artifact's whole context
@@ -162,6 +192,44 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, **opt
                f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s", err=True)
 
 
+def _remove(entry: Path) -> None:
+    """Delete a cache entry; a symlinked one loses its link, never what it points to."""
+    try:
+        if entry.is_symlink():
+            entry.unlink()
+        else:
+            shutil.rmtree(entry)
+    except OSError as e:
+        raise ArtifactError(f"could not delete {entry} ({e.strerror or e}); check its "
+                            "permissions, or delete it by hand") from e
+
+
+def _run_many(prepared, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> None:
+    """``paged-run --n K``: K continuations of one prompt through the batching engine, printed
+    one after the other (they are decoded together)."""
+    from paged_decode.runtime.batch_engine import BatchEngine
+    from paged_decode.runtime.errors import ConfigError
+
+    m = prepared.manifest
+    if not m.batch_buckets:
+        raise ConfigError("--n needs an artifact with batch buckets: build it with "
+                          "--batch-buckets (the CPU's default is 2,4,8,16,32)")
+    with BatchEngine.load(prepared.artifact_dir, prepared.weights_dir,
+                          num_blocks=m.max_blocks_cap * n) as batch:
+        ids = batch.tokenizer.encode_prompt(prompt, chat, "--prompt")
+        _check_capacity(batch, len(ids), max_new_tokens, by_blocks)
+        streams = batch.submit_n(ids, n, max_new_tokens=max_new_tokens, sampling=sampling)
+        t0 = time.perf_counter()
+        for i, stream in enumerate(streams, 1):
+            click.echo(f"--- sample {i} of {n} ---")
+            for piece in stream:
+                click.echo(piece, nl=False)
+            click.echo()
+        tokens = sum(len(s.tokens) for s in streams)
+        click.echo(f"{n} samples, {tokens} tokens in {time.perf_counter() - t0:.2f} s "
+                   f"({tokens / (time.perf_counter() - t0):.1f} tokens/s together)", err=True)
+
+
 @click.command("paged-cache")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @click.option("--clear", is_flag=True, help="delete every artifact and weight pack")
@@ -178,9 +246,9 @@ def cache_cmd(artifacts, clear):
         click.echo(f"no artifacts or weight packs in {root}")
     for p in entries + packs:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-        click.echo(f"{size / 1e6:10.2f} MB  {p}")
+        click.echo(f"{size / 1e6:10.2f} MB  {p}{' (a link)' if p.is_symlink() else ''}")
         if clear:
-            shutil.rmtree(p)
+            _remove(p)
     if clear:
         click.echo(f"cleared {len(entries)} artifacts and {len(packs)} weight packs in {root}")
 

@@ -9,13 +9,16 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from paged_decode.runtime.artifact import cli_target, compile_command, read_manifest, sha256_file
-from paged_decode.runtime.errors import ArtifactError, WeightsError
-from paged_decode.runtime.manifest import Manifest
+from paged_decode.runtime.artifact import (buckets_arg, cli_target, compile_command, read_manifest,
+                                           sha256_file)
+from paged_decode.runtime.errors import ArtifactError, ConfigError, WeightsError
+from paged_decode.runtime.manifest import DEFAULT_BATCH_BUCKETS, Manifest
+from paged_decode.runtime.pack import file_record, record_verified, verify_pack
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
 from . import cache
 from .build import build_into, make_spec, manifest_for
+from .kernels.registry import kernels_for
 from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
@@ -62,18 +65,25 @@ def _manifest_complete(path: Path) -> bool:
 
 
 def _weights_complete(path: Path) -> bool:
-    """weights.json (written last) is there and names this version's weights format: a pack
-    in another layout counts as absent (policy ``on`` converts the weights again, ``readonly``
-    names the command that does)."""
+    """weights.json (written last) is there, names this version's weights format, and every
+    file it lists has its recorded size and checksum (:func:`~paged_decode.runtime.pack.
+    verify_pack`): a pack in another layout or damaged counts as absent (policy ``on`` converts
+    the weights again, ``readonly`` names the command that does)."""
     try:
         meta = json.loads((path / "weights.json").read_text())
     except (OSError, ValueError):
         return False
-    if isinstance(meta, dict) and meta.get("weights_format") == WEIGHTS_FORMAT:
-        return True
-    log.warning("%s holds weights format %s, this version reads %s: treated as absent", path,
-                meta.get("weights_format") if isinstance(meta, dict) else None, WEIGHTS_FORMAT)
-    return False
+    if not isinstance(meta, dict) or meta.get("weights_format") != WEIGHTS_FORMAT:
+        log.warning("%s holds weights format %s, this version reads %s: treated as absent", path,
+                    meta.get("weights_format") if isinstance(meta, dict) else None,
+                    WEIGHTS_FORMAT)
+        return False
+    try:
+        verify_pack(path, meta, "it is converted again")
+    except WeightsError as e:
+        log.warning("%s", e)
+        return False
+    return True
 
 
 def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
@@ -82,17 +92,20 @@ def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
 
 
 def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
-                    model_arg: str) -> tuple[Path, bool]:
+                    model_arg: str, **lock) -> tuple[Path, bool]:
     """The artifact folder for ``spec`` on ``target`` under ``root`` (built under its lock
     unless ``policy`` reuses it), and whether it was a cache hit.  ``model_arg``: what
-    ``--model`` takes to name the model again, for the rebuild hints."""
+    ``--model`` takes to name the model again, for the rebuild hints; ``lock``: ``lock_timeout``
+    and ``waiting`` of :func:`~.cache.locked_build`."""
     name = artifact_name(spec, target)
-    hint = compile_command(model_arg, {
-        "target": cli_target(target.key_string), "block_size": spec.block_size,
-        "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
-        "weight_dtype": spec.weight_dtype}, root)
+    options = {"target": cli_target(target.key_string), "block_size": spec.block_size,
+               "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
+               "weight_dtype": spec.weight_dtype}
+    hint = compile_command(model_arg, options, root)
+    if spec.batch_buckets != default_buckets(target.kind):
+        hint += f" --batch-buckets {buckets_arg(spec.batch_buckets)}"
     return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg),
-                              _manifest_complete, policy, hint)
+                              _manifest_complete, policy, hint, **lock)
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:
@@ -111,50 +124,68 @@ def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> 
         export_tokenizer(source, out_dir)
     else:
         log.warning("%s has no tokenizer.json: the pack serves token ids only", source.path)
+    # checksums of what was written, read back (a short write or a bad disk shows here)
+    files = {f.name: file_record(f) for f in sorted(out_dir.iterdir()) if f.is_file()}
     meta = {"weights_format": WEIGHTS_FORMAT, "name": source.config.name,
+            "model_arg": source.cli_name or source.config.name,
             "shape_key": shape_key(source, weight_dtype), "weights_key": source.weights_key,
             "weight_dtype": weight_dtype, "model": source.config.shape_dict(),
-            "params": [[s.name, list(s.shape), s.dtype] for s in specs]}
+            "params": [[s.name, list(s.shape), s.dtype] for s in specs], "files": files}
+    record_verified(out_dir, files)
     (out_dir / "weights.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
 
 
 def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: str,
-                   ) -> tuple[Path, bool]:
+                   **lock) -> tuple[Path, bool]:
     wroot = root / "weights"
     if policy in ("on", "redo"):
         wroot.mkdir(exist_ok=True)
     # the format in the name: packs of two versions sharing a root sit side by side
     name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
             f"-w{WEIGHTS_FORMAT}")
-    policy = "on" if policy == "redo" else policy  # weights are a pure conversion
-    hint = (f"paged-compile --model {source.config.name} --weight-dtype {weight_dtype} "
-            f"--artifacts {root}")
+    hint = compile_command(source.cli_name or source.config.name,
+                           {"weight_dtype": weight_dtype}, root)
     return cache.locked_build(wroot, name, lambda d: write_weight_pack(source, weight_dtype, d),
-                              _weights_complete, policy, hint)
+                              _weights_complete, policy, hint, **lock)
 
 
 def key_of(model: str | None = None, *, target: str | None = None,
            block_size: int | None = None, max_context: int | None = None,
            max_blocks_cap: int | None = None, cache_dtype: str = "float32",
-           weight_dtype: str = "float32") -> dict:
+           weight_dtype: str = "float32", batch_buckets=None) -> dict:
     """The artifact key fields and digest, without compiling."""
     source = resolve_model(model)
     tspec = resolve_target(target)
     spec = _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype,
-                 weight_dtype)
+                 weight_dtype, batch_buckets)
     m = manifest_for(spec, tspec)
     return {"digest": m["digest"], "key": m["key"]}
 
 
-def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype):
+def default_buckets(target_kind: str) -> tuple[int, ...]:
+    """:data:`DEFAULT_BATCH_BUCKETS` where the target's kernel set batches, else none."""
+    batches = kernels_for(target_kind).paged_attention_batch is not None
+    return DEFAULT_BATCH_BUCKETS if batches else ()
+
+
+def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, weight_dtype,
+          batch_buckets=None):
     """The build spec, with the defaults that depend on the model (context) and the target
-    (``block_size`` None: ``tspec.default_block_size``)."""
+    (``block_size`` None: ``tspec.default_block_size``; ``batch_buckets`` None:
+    :data:`DEFAULT_BATCH_BUCKETS` where the target's kernels batch, else none)."""
     if max_context is None and max_blocks_cap is None:
         max_context = min(source.config.max_position_embeddings, 2048)
     if block_size is None:
         block_size = tspec.default_block_size
+    if batch_buckets is None:
+        batch_buckets = default_buckets(tspec.kind)
+    elif batch_buckets and kernels_for(tspec.kind).paged_attention_batch is None:
+        raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
+                          "batched decode kernels yet (the CPU has); build it with "
+                          "--batch-buckets none")
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
-                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype)
+                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
+                     batch_buckets=batch_buckets)
 
 
 def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
@@ -175,9 +206,10 @@ def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
 def prepare(model: str | ModelSource | None = None, *, target: str | None = None,
             block_size: int | None = None,
             max_context: int | None = None, max_blocks_cap: int | None = None,
-            cache_dtype: str = "float32", weight_dtype: str = "float32",
+            cache_dtype: str = "float32", weight_dtype: str = "float32", batch_buckets=None,
             artifacts: str | Path | None = None, policy: str | None = None,
-            force: bool = False, progress: Callable[[str], None] | None = None) -> Prepared:
+            force: bool = False, progress: Callable[[str], None] | None = None,
+            lock_timeout: float = cache.LOCK_TIMEOUT_S) -> Prepared:
     """Resolve the model (or take a resolved ``ModelSource``), then build (or reuse) its
     artifact and weight pack.
 
@@ -187,13 +219,15 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     ``warning: ...`` line for a capacity above the model's ``max_position_embeddings`` (without
     ``progress`` that warning goes to the log).
     Safe to call from several threads or processes at once on one artifact root: one of them
-    builds each entry, the others wait for its lock and reuse it (see :mod:`.cache`).
+    builds each entry, the others wait for its lock (at most ``lock_timeout`` seconds, then
+    :class:`LockTimeoutError`) and reuse it (see :mod:`.cache`).  ``force`` (policy ``redo``)
+    rebuilds the library and the weight pack.
     """
     say = progress or (lambda _msg: None)
     source = resolve_model(model)
     tspec = resolve_target(target)
     spec = _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype,
-                 weight_dtype)
+                 weight_dtype, batch_buckets)
     warning = context_warning(spec, by_blocks=max_blocks_cap is not None)
     if warning and progress is not None:
         say(f"warning: {warning}")
@@ -202,8 +236,12 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     root = cache.artifacts_root(artifacts)
     policy = "redo" if force else cache.cache_policy(policy)
     say(f"artifact {artifact_name(spec, tspec)} (cache policy {policy})")
+    if not isinstance(lock_timeout, (int, float)) or not lock_timeout >= 0:
+        raise ConfigError(f"lock_timeout={lock_timeout!r}: must be a number of seconds >= 0 "
+                          "(flag --lock-timeout)")
+    lock = {"lock_timeout": float(lock_timeout), "waiting": progress}
     art_dir, hit = ensure_artifact(spec, tspec, root, policy,
-                                   source.cli_name or source.config.name)
+                                   source.cli_name or source.config.name, **lock)
     say(f"weights of {source.config.name} as {weight_dtype}")
-    w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy)
+    w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy, **lock)
     return Prepared(art_dir, w_dir, read_manifest(art_dir)[0], hit, w_hit)

@@ -35,9 +35,29 @@ log = logging.getLogger(__name__)
 EXEC_MODE = "compiled"
 
 
+MAX_BATCH = 256  # rows of the largest batch bucket
+
+
+def check_buckets(batch_buckets) -> tuple[int, ...]:
+    """Batch buckets as a sorted tuple of distinct integers in [2, MAX_BATCH] (B = 1 is
+    ``decode``), else :class:`ConfigError`."""
+    if isinstance(batch_buckets, (str, bytes)) or not hasattr(batch_buckets, "__iter__"):
+        raise ConfigError(f"batch_buckets={batch_buckets!r}: must be a list of row counts "
+                          "(flag --batch-buckets 2,4,8)")
+    buckets = list(batch_buckets)
+    bad = [b for b in buckets if isinstance(b, bool) or not isinstance(b, int)
+           or not 2 <= b <= MAX_BATCH]
+    if bad:
+        raise ConfigError(f"batch bucket {bad[0]!r}: must be an integer in [2, {MAX_BATCH}] "
+                          "(one row is the decode function itself)")
+    if len(set(buckets)) != len(buckets):
+        raise ConfigError(f"batch_buckets={buckets}: each bucket once")
+    return tuple(sorted(buckets))
+
+
 def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None = None,
               max_context: int | None = None, cache_dtype: str = "float32",
-              weight_dtype: str = "float32") -> BuildSpec:
+              weight_dtype: str = "float32", batch_buckets=()) -> BuildSpec:
     """Validate the cache options; ``max_context`` rounds up to whole blocks.  ``block_size``
     has no default here: the target's (``TargetSpec.default_block_size``) is applied by
     ``api.prepare`` / ``api.key_of``."""
@@ -55,7 +75,8 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
     for field, value in (("cache_dtype", cache_dtype), ("weight_dtype", weight_dtype)):
         if value not in DTYPES:
             raise ConfigError(f"{field}={value!r}: choose one of {list(DTYPES)}")
-    return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype)
+    return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype,
+                     check_buckets(batch_buckets))
 
 
 # The build side's modules that shape the compiled library (graph, kernels, parameter layout,
@@ -91,6 +112,7 @@ def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "block_size": spec.block_size,
         "cache_dtype": spec.cache_dtype,
         "weight_dtype": spec.weight_dtype,
+        "batch_buckets": list(spec.batch_buckets),
         "target": target.key_string,
         "exec_mode": EXEC_MODE,
         "tvm_version": tvm.__version__,
@@ -118,9 +140,11 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "max_blocks_cap": spec.max_blocks_cap, "block_size": spec.block_size,
         "cache_dtype": spec.cache_dtype, "weight_dtype": spec.weight_dtype,
         "k_block_layout": fields["k_block_layout"],
+        "batch_buckets": list(spec.batch_buckets),
         "params": [[s.name, list(s.shape), s.dtype] for s in param_specs(cfg, spec.weight_dtype)],
-        "functions": (["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
-                      else ["decode", "decode_dev", "prefill", "_metadata"]),
+        "functions": ((["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
+                       else ["decode", "decode_dev", "prefill", "_metadata"])
+                      + [f"batch_decode_{b}" for b in spec.batch_buckets]),
     }
 
 

@@ -9,6 +9,10 @@ Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symb
              params) -> logits (1, vocab) float32 -- decode with both scalars in tensors
   prefill(token_ids (n,) int32, block_table (1, cap) int32, start_pos Prim int64,
           kv_pools, params) -> logits of the last position (1, vocab) float32
+  batch_decode_<B> for each batch bucket B (static):
+    (token_ids (B,) int32, block_tables (B, cap) int32, context_lens (B,) int64,
+     write_offs (B,) int64, kv_pools, params) -> logits (B, vocab) float32
+    -- one new token per row, each row its own sequence; context_len 0 marks a padding row
   _metadata() -> the manifest JSON string
 The pools are written by ``call_tir_inplace``; attention reads the returned pool, which keeps
 each write alive through dead-code elimination.
@@ -37,6 +41,7 @@ class BuildSpec:
     block_size: int
     cache_dtype: str
     weight_dtype: str
+    batch_buckets: tuple[int, ...] = ()  # rows of each compiled batch_decode_<B>
 
     @property
     def max_tokens(self) -> int:
@@ -49,11 +54,14 @@ def _f32(*shape):
 
 
 class _Builder:
-    """Emits one function body; ``n_static`` is 1 for decode and None for prefill."""
+    """Emits one function body; ``n_static`` is 1 for decode and None for prefill and batched
+    decode (matmuls over the rows); ``all_rows``: logits of every row (batched decode), not
+    only the last (prefill)."""
 
     def __init__(self, bb: relax.BlockBuilder, spec: BuildSpec, n_static, funcs: dict,
-                 k: KernelSet):
+                 k: KernelSet, all_rows: bool = False):
         self.bb, self.spec, self.cfg, self.n_static, self.k = bb, spec, spec.config, n_static, k
+        self.all_rows = all_rows
         self._funcs = funcs  # kernel name -> GlobalVar, shared by the functions of one module
 
     def kernel(self, prim_func) -> relax.GlobalVar:
@@ -129,6 +137,9 @@ class _Builder:
             x, _ = self.layer(x, n, lp, kv, attn_args)
         head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
         v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
+        if self.all_rows:
+            x = self.call(self.k.rmsnorm(h, eps, None), [x, p["final_norm"]], (n, h))
+            return self.linear(x, head, n, v, h)
         if not self.decode:  # only the last position's logits
             x = self.call(self.k.rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]],
                           (1, h))
@@ -201,6 +212,29 @@ def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kerne
         bb.emit_func_output(out)
 
 
+def _emit_batch_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: KernelSet,
+                       B: int):
+    """``batch_decode_<B>``: the prefill body's matmuls over B rows of different sequences,
+    with ragged RoPE / KV write and attention (each row its own table and length)."""
+    cfg, cap, bs, cdt = spec.config, spec.max_blocks_cap, spec.block_size, spec.cache_dtype
+    pool_ty, pools, params = _pool_and_param_vars(spec)
+    token_ids = relax.Var("token_ids", relax.TensorType([B], "int32"))
+    tables = relax.Var("block_tables", relax.TensorType([B, cap], "int32"))
+    ctx = relax.Var("context_lens", relax.TensorType([B], "int64"))
+    offs = relax.Var("write_offs", relax.TensorType([B], "int64"))
+    b = _Builder(bb, spec, None, funcs, k, all_rows=True)
+    b.pool_ty = pool_ty
+    geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt, B)
+    attn_args = (k.rope_kv_write_batch(*geo), k.paged_attention_batch(*geo),
+                 [tables, offs, ctx], [tables, ctx])
+    with bb.function(f"batch_decode_{B}", [token_ids, tables, ctx, offs, pools, params],
+                     attrs=_per_call_inputs(4)):
+        with bb.dataflow():
+            logits = b.body(token_ids, B, pools, params, attn_args)
+            out = bb.emit_output(logits)
+        bb.emit_func_output(out)
+
+
 def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = None
                  ) -> tvm.IRModule:
     """The IRModule with ``decode``, ``decode_dev`` (when the kernel set has its kernels),
@@ -212,6 +246,8 @@ def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = No
     if kernels.rope_kv_write_decode_dev is not None and kernels.paged_attention_decode_dev:
         _emit_decode(bb, spec, funcs, kernels, dev=True)
     _emit_prefill(bb, spec, funcs, kernels)
+    for rows in spec.batch_buckets:
+        _emit_batch_decode(bb, spec, funcs, kernels, rows)
     with bb.function("_metadata", []):
         bb.emit_func_output(tvm.ir.StringImm(json.dumps(manifest, sort_keys=True)))
     return bb.get()

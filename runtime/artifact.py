@@ -23,7 +23,8 @@ from tvm import relax
 
 from .errors import ArtifactError, WeightsError
 from .host_memory import HostArena, on_host, to_tvm
-from .manifest import DISK_ONLY, Manifest
+from .manifest import DEFAULT_BATCH_BUCKETS, DISK_ONLY, Manifest
+from .pack import verify_pack
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
 
 
@@ -38,6 +39,11 @@ def cli_target(target: str) -> str:
     mcpu = re.search(r'"mcpu":\s*"([^"]+)"|-mcpu=([^\s|]+)', target)
     kind_name = kind.group(1) if kind else "llvm"
     return f"{kind_name}:{mcpu.group(1) or mcpu.group(2)}" if mcpu else kind_name
+
+
+def buckets_arg(buckets) -> str:
+    """``--batch-buckets``' value for a list of bucket sizes: ``2,4,8``, or ``none``."""
+    return ",".join(str(b) for b in buckets) or "none"
 
 
 def compile_command(model: str, options: dict, root: Path | str) -> str:
@@ -62,8 +68,12 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     opts = {"target": cli_target(target)} if isinstance(target, str) else {}
     opts.update((field, source[field]) for field in (
         "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
-    return (f"rebuild it with `{compile_command(name, opts, path.parent)} --force` (or delete "
-            f"{path} and compile again)")
+    buckets = source.get("batch_buckets")
+    default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
+    extra = (f" --batch-buckets {buckets_arg(buckets)}"
+             if isinstance(buckets, list) and buckets != default else "")
+    return (f"rebuild it with `{compile_command(name, opts, path.parent)}{extra} --force` (or "
+            f"delete {path} and compile again)")
 
 
 def _read_json(path: Path, what: str, hint: str, error: type = ArtifactError) -> dict:
@@ -223,8 +233,14 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     read into host memory and copied over.
     """
     path = Path(path)
-    hint = f"convert the weights again with `paged-compile --model {artifact.manifest.name}`"
+    m = artifact.manifest
+    model = m.model_arg or m.name
+    hint = f"convert the weights again with `{_pack_command(model, m.weight_dtype, path)}`"
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
+    if isinstance(meta.get("model_arg"), str) and meta.get("weight_dtype") in ("float32",
+                                                                                "float16"):
+        hint = ("convert the weights again with "
+                f"`{_pack_command(meta['model_arg'], meta['weight_dtype'], path)}`")
     if meta.get("weights_format") != WEIGHTS_FORMAT:
         raise WeightsError(f"{path}: weights_format {meta.get('weights_format')!r}, expected "
                            f"{WEIGHTS_FORMAT}; {hint}")
@@ -246,6 +262,8 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
                     got_s = None if got is None else f"{got[0]} {got[1]}"
                     raise WeightsError(f"{file}: tensor {name} is {got_s}, weights.json says "
                                        f"{list(shape)} {dtype}; {hint}")
+            # the header's structure first (its errors say what is wrong), then every byte
+            verify_pack(path, meta, hint)
             hosts = _host_buffers(want, on_cpu, file)
             for name in sorted(hosts, key=lambda n: entries[n][2]):  # in file order
                 _read_exactly(f, base + entries[name][2], hosts[name])
@@ -254,6 +272,11 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     tensors = (to_tvm(hosts[n]) if on_cpu else tvm.runtime.tensor(hosts[n], artifact.device)
                for n, _s, _d in want)
     return WeightPack(path, meta, tuple(tensors))
+
+
+def _pack_command(model: str, weight_dtype: str, pack: Path) -> str:
+    """The command that rebuilds the weight pack folder ``pack`` (``<root>/weights/<name>``)."""
+    return compile_command(model, {"weight_dtype": weight_dtype}, pack.parent.parent) + " --force"
 
 
 def _host_buffers(want: list, on_cpu: bool, file: Path) -> dict:

@@ -14,7 +14,8 @@ from .tokenizer import Tokenizer
 
 
 class Engine:
-    """Loads once, generates many times.  Not safe to use from two threads at once."""
+    """Loads once, generates many times.  Generations from several threads run one at a time
+    (see :class:`~paged_decode.runtime.generate.Generator`)."""
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache,
                  tokenizer: Tokenizer | None = None):
@@ -40,11 +41,7 @@ class Engine:
         return self.tokenizer
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
-        tok = self._require_tokenizer()
-        if chat:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
-            return tok.encode(text, add_bos=False)
-        return tok.encode(prompt)
+        return self._require_tokenizer().encode_prompt(prompt, chat, "--prompt")
 
     def stream_text(self, prompt: str, *, chat: bool = False, max_new_tokens: int = 64,
                     sampling: SamplingParams | None = None) -> Iterator[str]:

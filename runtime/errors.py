@@ -28,6 +28,10 @@ class ArtifactError(PagedDecodeError):
     """An artifact is missing, damaged, stale, or built for something else."""
 
 
+class LockTimeoutError(ArtifactError):
+    """Another process held an artifact's build lock longer than the lock timeout."""
+
+
 class InputError(PagedDecodeError, ValueError):
     """A request carries a bad value (token id, prompt, sampling parameter, block table...)."""
 
@@ -52,6 +56,12 @@ class BlockTableError(InputError):
     not cover ``context_len``."""
 
 
+class OwnershipError(BlockTableError):
+    """A caller-managed step would write a block that another live sequence holds (its own, or
+    one shared with the caller after ``fork``), or mixes another sequence's blocks into a table
+    of blocks no sequence holds."""
+
+
 class WriteOffsetError(InputError):
     """A flattened write offset is not ``block_table[0, (context_len - 1) // block_size] *
     block_size + (context_len - 1) % block_size``."""
@@ -67,6 +77,11 @@ class CapacityError(InputError):
 
 class HandleError(InputError):
     """A ``SessionHandle`` is released, or belongs to another pool or allocation."""
+
+
+class BusyError(PagedDecodeError):
+    """A generation was started on a thread that has one of the same generator unfinished (it
+    would wait for itself); finish or close the first stream."""
 
 
 class ValidityError(PagedDecodeError):

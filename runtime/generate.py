@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -10,7 +12,7 @@ import numpy as np
 
 from .artifact import Artifact, WeightPack
 from .checks import is_int
-from .errors import HandleError, InputError
+from .errors import BusyError, HandleError, InputError
 from .kv_pool import PagedKVCache, SessionHandle
 from .sampling import Sampler, SamplingParams
 from .session import PagedDecodeSession, check_prompt, validity_key_for
@@ -53,14 +55,33 @@ class Generator:
     ``pool`` and ``weights`` may be replaced between (or during) generations: the next step
     sees the changed validity key, drops the session, builds a new one and, when the sequence's
     blocks are gone with the old allocation, prefills the tokens so far again.
-    Not safe to use from two threads at once; generators over separate pools may run
-    concurrently.
+    Thread safety: generations on one generator run one at a time (a second thread's waits
+    for the first to finish; its session, buffers and stats are one generation's state);
+    generators over separate pools run concurrently.
     """
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache):
         self.artifact, self.weights, self.pool = artifact, weights, pool
         self.session: PagedDecodeSession | None = None
         self.stats = GenerationStats()
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id of the generation running now
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """Hold the generator for one generation; the same thread asking again is a
+        :class:`BusyError` (it would wait for itself forever)."""
+        me = threading.get_ident()
+        if self._holder == me:
+            raise BusyError("this thread already has an unfinished generation on this generator "
+                            "(a stream not read to its end); finish it or call its close() "
+                            "before starting another")
+        with self._lock:
+            self._holder = me
+            try:
+                yield
+            finally:
+                self._holder = None
 
     def current_session(self) -> PagedDecodeSession:
         """The session for the current (artifact, weights, pool allocation), built if needed."""
@@ -118,21 +139,22 @@ class Generator:
 
     def _stream(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler,
                 stop: set[int]) -> Iterator[int]:
-        self.stats = GenerationStats(session_builds=0)
-        handle = self.pool.new_sequence()
-        try:
-            history = [int(t) for t in ids]
-            logits = self._prefill(handle, ids)
-            for i in range(max_new_tokens):
-                token = sampler.sample(logits)
-                yield token
-                history.append(token)
-                if token in stop or i + 1 == max_new_tokens:
-                    break
-                handle, logits = self._step(handle, history, token)
-        finally:
-            if self._owns(handle):
-                handle.release()
+        with self._exclusive():
+            self.stats = GenerationStats(session_builds=0)
+            handle = self.pool.new_sequence()
+            try:
+                history = [int(t) for t in ids]
+                logits = self._prefill(handle, ids)
+                for i in range(max_new_tokens):
+                    token = sampler.sample(logits)
+                    yield token
+                    history.append(token)
+                    if token in stop or i + 1 == max_new_tokens:
+                        break
+                    handle, logits = self._step(handle, history, token)
+            finally:
+                if self._owns(handle):
+                    handle.release()
 
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_ids: Iterable[int] = ()) -> list[int]:

@@ -31,13 +31,15 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import tvm
 
 from paged_decode.runtime.block_allocator import BlockAllocator
 from paged_decode.runtime.checks import is_int
-from paged_decode.runtime.errors import CapacityError, ConfigError, HandleError, InputError
+from paged_decode.runtime.errors import (CapacityError, ConfigError, HandleError, InputError,
+                                         OwnershipError)
 from paged_decode.runtime.host_memory import HostArena, on_host, to_tvm
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,14 @@ def k_rows(k: np.ndarray, layout: str) -> np.ndarray:
         blocks, heads, bs, dim = k.shape
         return k.reshape(blocks, heads, dim, bs).swapaxes(2, 3)
     raise ConfigError(f"k_block_layout={layout!r}: known layouts are {list(K_BLOCK_LAYOUTS)}")
+
+
+class Snapshot(NamedTuple):
+    """A handle's state before a step (:meth:`SessionHandle.snapshot`)."""
+
+    blocks: tuple  # ((block, allocation generation), ...)
+    length: int
+    seq_id: int
 
 
 class PoolConfigError(ConfigError, InputError):
@@ -176,6 +186,56 @@ class PagedKVCache:
         """``seq_id -> blocks`` of every live handle (for tests and debugging)."""
         with self._lock:
             return {sid: list(h._blocks) for sid, h in self._handles.items()}
+
+    def retain(self, blocks) -> None:
+        """One more reference on each of ``blocks`` (allocated ones) for a holder other than a
+        sequence (the prefix cache): they stay allocated until :meth:`unretain`."""
+        with self._lock:
+            self._allocator.incref(list(blocks))
+
+    def unretain(self, blocks) -> None:
+        """Drop a :meth:`retain` reference; a block nothing else holds is free again."""
+        with self._lock:
+            self._allocator.decref(list(blocks))
+
+    def adopt(self, blocks, length: int) -> SessionHandle:
+        """A new sequence of ``length`` tokens over ``blocks`` (allocated, full ones: a cached
+        prefix), each shared: the sequence takes a reference of its own and writes only past
+        them."""
+        blocks = list(blocks)
+        if length != len(blocks) * self.block_size:
+            raise InputError(f"adopt({blocks}, {length}): a prefix of {len(blocks)} full blocks "
+                             f"holds {len(blocks) * self.block_size} tokens")
+        with self._lock:
+            self._allocator.incref(blocks)
+            return self._register(blocks, length)
+
+    def check_raw_write(self, used: list[int], write_index: int) -> None:
+        """A caller-managed table ``used`` (the block ids up to the written position) may write
+        ``used[write_index]`` only if that hurts no other sequence: the block is held by one
+        sequence whose blocks the table lists (a prefix of them), or by none and then the table
+        holds no sequence's block.  Else :class:`OwnershipError`."""
+        with self._lock:
+            block, refs = used[write_index], self._allocator.refcount(used[write_index])
+            where = f"block_table[0, {write_index}] = {block}"
+            if refs > 1:
+                raise OwnershipError(
+                    f"{where} (the block written) is shared by {refs} sequences after fork(): "
+                    "writing it would change the others' cache; call reserve() or "
+                    "prepare_write(pos) on the writing handle first (copy on write) and pass "
+                    "its new table")
+            holder = next((h for h in self._handles.values() if block in h._blocks), None)
+            if holder is not None and holder._blocks[:len(used)] != used:
+                raise OwnershipError(
+                    f"{where} (the block written) belongs to sequence {holder.seq_id}, whose "
+                    f"blocks are {holder._blocks}, not the table's {used}; pass the writing "
+                    "sequence's own table (handle.block_table)")
+            taken = [b for b in used if self._allocator.refcount(b) > 0]
+            if holder is None and taken:
+                raise OwnershipError(
+                    f"{where} (the block written) is held by no sequence, but the table also "
+                    f"lists block {taken[0]} of a live sequence; a caller-managed table uses "
+                    "one sequence's blocks, or only blocks no sequence holds")
 
     def clear(self) -> None:
         """Free every block, invalidate every live handle and mint a new ``alloc_id``.
@@ -353,11 +413,15 @@ class SessionHandle:
         """Count ``n`` more tokens as written; they must lie in the reserved capacity."""
         with self._pool._lock:
             self._check("advance")
-            assert is_int(n) and n >= 0, n
-            assert self._length + n <= len(self._blocks) * self._pool.block_size, (
-                f"sequence {self.seq_id}: advance({n}) from length {self._length} past the "
-                f"{len(self._blocks)} reserved blocks; call reserve() first")
-            self._length += n
+            if not is_int(n) or n < 0:
+                raise InputError(f"sequence {self.seq_id}: advance({n!r}): n must be a "
+                                 "non-negative integer (the tokens just written)")
+            if self._length + n > len(self._blocks) * self._pool.block_size:
+                raise CapacityError(
+                    f"sequence {self.seq_id}: advance({n}) from length {self._length} goes past "
+                    f"the {len(self._blocks)} reserved blocks of {self._pool.block_size}; call "
+                    f"reserve({n}) before writing")
+            self._length += int(n)
 
     def write_offset(self, pos: int) -> int:
         """``physical_block * block_size + slot`` of logical position ``pos``.
@@ -400,13 +464,14 @@ class SessionHandle:
             out[0, :n] = self._blocks
             out[0, n:] = 0
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> Snapshot:
         """The handle's blocks (with their allocation generations) and length before a step,
         for :meth:`restore` if the step fails."""
         with self._pool._lock:
             self._check("snapshot")
             alloc = self._pool._allocator
-            return tuple((b, alloc.generation(b)) for b in self._blocks), self._length
+            return Snapshot(tuple((b, alloc.generation(b)) for b in self._blocks), self._length,
+                            self.seq_id)
 
     def next_write_offset(self) -> int | None:
         """Offset of position ``length`` when writing it needs no new block and no copy (the
@@ -430,11 +495,10 @@ class SessionHandle:
         not taken back: the private copy (same contents up to ``length``) stays.  A released or
         cleared handle is left alone.
         """
-        blocks, length = snap
         with self._pool._lock:
             if not self.is_live:
                 return
-            assert self._length == length and len(self._blocks) >= len(blocks), (snap, self)
+            blocks, length = self._check_snapshot(snap)
             alloc = self._pool._allocator
             give_back = self._blocks[len(blocks):]
             for i, (old, generation) in enumerate(blocks):
@@ -446,6 +510,21 @@ class SessionHandle:
             alloc.decref(give_back)
             del self._blocks[len(blocks):]
             self.version += 1
+
+    def _check_snapshot(self, snap) -> tuple:
+        """``(blocks, length)`` of ``snap`` if :meth:`snapshot` made it for this handle at its
+        current length, else :class:`InputError` (restoring another handle's or a stale snapshot
+        would free blocks that hold live tokens)."""
+        if not isinstance(snap, Snapshot) or snap.seq_id != self.seq_id:
+            owner = f"sequence {snap.seq_id}'s" if isinstance(snap, Snapshot) else repr(snap)
+            raise InputError(f"sequence {self.seq_id}: restore() got {owner} snapshot; pass what "
+                             "this handle's snapshot() returned before reserve()")
+        if snap.length != self._length or len(snap.blocks) > len(self._blocks):
+            raise InputError(f"sequence {self.seq_id}: the snapshot is at length {snap.length}, "
+                             f"the handle at {self._length}: restore() undoes reserve() / "
+                             "prepare_write() only, not advance(); use truncate_to() to drop "
+                             "written tokens")
+        return snap.blocks, snap.length
 
     def truncate_to(self, n: int) -> None:
         """Shorten to ``n`` tokens (``0 <= n <= length``); blocks no longer needed are freed."""

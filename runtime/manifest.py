@@ -49,6 +49,9 @@ _RULES = {
     "cache_dtype": (f"one of {list(CACHE_DTYPES)}", lambda v: v in CACHE_DTYPES),
     "weight_dtype": ("a non-empty string", _text),
     "k_block_layout": (f"one of {list(K_BLOCK_LAYOUTS)}", lambda v: v in K_BLOCK_LAYOUTS),
+    "batch_buckets": ("a sorted list of distinct integers >= 2",
+                      lambda v: isinstance(v, list) and all(is_int(b) and b >= 2 for b in v)
+                      and v == sorted(set(v))),
     "params": ("a list of [name, shape, dtype]",
                lambda v: isinstance(v, list) and all(_param(p) for p in v)),
     "functions": ("a list of function names",
@@ -60,6 +63,8 @@ _RULES = {
     "library_sha256": ("64 hex digits", lambda v: isinstance(v, str) and len(v) == 64),
     "library_bytes": ("a positive integer", _positive),
 }
+# the batch buckets a CPU artifact gets unless told (GPU kernel sets have none yet)
+DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
 _OPTIONAL = {"model_arg": ("a string", lambda v: isinstance(v, str))}
 
@@ -88,6 +93,7 @@ class Manifest:
     cache_dtype: str
     weight_dtype: str
     k_block_layout: str
+    batch_buckets: tuple
     params: tuple
     functions: tuple
     compile_seconds: float
@@ -117,6 +123,7 @@ class Manifest:
         values = dict(data)
         values["params"] = tuple((n, tuple(s), d) for n, s, d in data["params"])
         values["functions"] = tuple(data["functions"])
+        values["batch_buckets"] = tuple(data["batch_buckets"])
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -124,6 +131,7 @@ class Manifest:
         d = dataclasses.asdict(self)
         d["params"] = [[n, list(s), dt] for n, s, dt in self.params]
         d["functions"] = list(self.functions)
+        d["batch_buckets"] = list(self.batch_buckets)
         if self.model_arg is None:
             del d["model_arg"]
         return d

@@ -128,7 +128,7 @@ class PagedDecodeSession:
         self._decode, self._prefill = self._vm["decode"], self._vm["prefill"]
         self._bound_pool, self._pools, self._params = pool, pool.pools, weights.params
         # the same tensors as TVM containers, built once: a Python tuple is converted into one
-        # at every call (1.7 us for the 99 tensors of the 160M shape, warm; 0.13 us for these)
+        # at every call (docs/design.md)
         self._pools_arg, self._params_arg = (tvm.runtime.convert(self._pools),
                                              tvm.runtime.convert(self._params))
         dev = artifact.device
@@ -253,8 +253,11 @@ class PagedDecodeSession:
         ``context_len``: tokens including this one, in ``[1, max_blocks_cap * block_size]``.
         ``write_off``: ``block_table[0, (context_len - 1) // block_size] * block_size +
         (context_len - 1) % block_size``; K/V of this token are written there in every layer,
-        so the caller must own that block.  All of it is checked before the VM runs
-        (:class:`BlockTableError`, :class:`WriteOffsetError`, :class:`TokenIdError`).
+        so the table must be the writing sequence's own (a prefix of its blocks, the written
+        one not shared after ``fork``) or use only blocks no sequence holds
+        (:meth:`PagedKVCache.check_raw_write`).  All of it is checked before the VM runs
+        (:class:`BlockTableError`, :class:`OwnershipError`, :class:`WriteOffsetError`,
+        :class:`TokenIdError`).
         Returns logits ``(vocab,) float32``.
         """
         self.check_pool()
@@ -298,6 +301,7 @@ class PagedDecodeSession:
             raise WriteOffsetError(
                 f"write_off={write_off!r} does not match the block table at context_len - 1 = "
                 f"{pos} (block {int(used[pos // bs])}, slot {pos % bs}); pass {want}")
+        self.pool.check_raw_write([int(b) for b in used], pos // bs)
         return int(context_len), int(write_off)
 
     def _call(self, name: str, fn, *args):

@@ -7,9 +7,9 @@ try:
 except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
     PACKAGE_VERSION = "0+source"
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
-ABI_VERSION = 4  # 4: CPU kernels store K blocks dim-major (manifest k_block_layout)
-MANIFEST_FORMAT = 1
-WEIGHTS_FORMAT = 2  # 2: gate / up rows interleaved in runs of 16
+ABI_VERSION = 5  # 5: batch_decode_<B> functions (manifest batch_buckets)
+MANIFEST_FORMAT = 2  # 2: batch_buckets
+WEIGHTS_FORMAT = 3  # 3: weights.json lists every file with its size and checksum
 
 
 def key_digest(fields: dict) -> str:

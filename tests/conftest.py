@@ -137,12 +137,22 @@ def _memoised(fn):
     return call
 
 
+# The batch buckets the batching tests compile (the CPU default); every other test's artifacts
+# have none unless it asks, so the suite compiles each batched graph only where it is tested.
+BUCKETS = (2, 4, 8, 16, 32)
+
+
 @pytest.fixture(scope="session")
 def build(artifact_root):
-    """build(model, **prepare_options) -> Prepared, memoised per test session."""
+    """build(model, **prepare_options) -> Prepared, memoised per test session; without
+    ``batch_buckets`` the artifact has none (the batching tests pass ``BUCKETS``)."""
     from paged_decode.compile.api import prepare
 
-    return _memoised(lambda model, **opts: prepare(str(model), artifacts=artifact_root, **opts))
+    def _build(model, **opts):
+        opts.setdefault("batch_buckets", ())
+        return prepare(str(model), artifacts=artifact_root, **opts)
+
+    return _memoised(_build)
 
 
 @pytest.fixture(scope="session")

@@ -56,8 +56,9 @@ def test_every_key_field_changes_the_digest(monkeypatch):
 # what a user edits, as a path under the package root, and whether the artifact key must change
 EDITS = {"compile/cache.py": False, "compile/api.py": False, "compile/weights.py": False,
          "compile/tokenizer_export.py": False, "bench/run.py": False, "bench/report.py": False,
-         "cli.py": False, "compile/kernels/cpu/gemv.py": True, "compile/kernels/gpu/attention.py": True,
-         "compile/kernels/common.py": True, "compile/model.py": True, "compile/params.py": True}
+         "cli.py": False, "compile/kernels/cpu/gemv.py": True,
+         "compile/kernels/gpu/attention.py": True, "compile/kernels/common.py": True,
+         "compile/model.py": True, "compile/params.py": True}
 
 
 @pytest.mark.parametrize("rel", EDITS)
@@ -82,7 +83,8 @@ def test_fields_cover_the_documented_key():
                         resolve_target(None))
     assert set(fields) == {"model", "max_blocks_cap", "block_size", "cache_dtype",
                            "weight_dtype", "target", "exec_mode", "tvm_version",
-                           "package_version", "abi_version", "compiler", "k_block_layout"}
+                           "package_version", "abi_version", "compiler", "k_block_layout",
+                           "batch_buckets"}
     assert "mcpu" in fields["target"]
     # the CPU kernels store K blocks [dim, slot], the GPU kernels [slot, dim]
     assert fields["k_block_layout"] == K_BLOCK_LAYOUT == "dim-major"
@@ -107,11 +109,11 @@ def test_second_compile_of_a_key_compiles_nothing(tmp_path, monkeypatch):
     count = []
     real = build.compile_library
     monkeypatch.setattr(build, "compile_library", lambda *a: count.append(1) or real(*a))
-    first = api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path)
-    second = api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path)
+    opts = dict(block_size=4, max_context=16, artifacts=tmp_path, batch_buckets=())
+    first, second = api.prepare("tiny", **opts), api.prepare("tiny", **opts)
     assert (first.cache_hit, second.cache_hit, len(count)) == (False, True, 1)
     assert first.artifact_dir == second.artifact_dir
-    api.prepare("tiny", block_size=4, max_context=16, artifacts=tmp_path, force=True)
+    api.prepare("tiny", force=True, **opts)
     assert len(count) == 2
 
 
@@ -135,7 +137,8 @@ def test_concurrent_builds_of_one_key_leave_one_artifact(tmp_path, monkeypatch):
 
     def worker():
         try:
-            results.append(api.prepare("tiny", block_size=8, max_context=16, artifacts=tmp_path))
+            results.append(api.prepare("tiny", block_size=8, max_context=16, artifacts=tmp_path,
+                                       batch_buckets=()))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 

@@ -19,7 +19,7 @@ from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError, ConfigError
 from paged_decode.runtime.versions import ABI_VERSION
 
-OPTS = dict(block_size=4, max_context=64)
+OPTS = dict(block_size=4, max_context=64, batch_buckets=())  # as the session's `build`
 REBUILD = (r"paged-compile --model tiny --target llvm\S* --block-size 4 --max-blocks-cap 16 "
            r".*--force")
 

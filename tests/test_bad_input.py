@@ -22,8 +22,8 @@ import pytest
 from paged_decode.runtime.artifact import WeightPack, load_weights
 from paged_decode.runtime.errors import (
     BlockTableError, CapacityError, ExecutionError, HandleError, InputError, OffsetRebindError,
-    OutOfBlocksError, PagedDecodeError, SamplingError, TokenIdError, TopologyChanged,
-    ValidityError, WeightsError, WriteOffsetError,
+    OutOfBlocksError, OwnershipError, PagedDecodeError, SamplingError, TokenIdError,
+    TopologyChanged, ValidityError, WeightsError, WriteOffsetError,
 )
 from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.kv_pool import PagedKVCache
@@ -119,6 +119,10 @@ def _with_table(w: World, **change):
     for index, value in change.items():
         table[0, int(index[1:])] = value
     return table
+
+
+def _free_block(w: World) -> int:
+    return next(b for b in range(NUM_BLOCKS) if w.pool.allocator.refcount(b) == 0)
 
 
 def _clear_and_rebuild(w: World) -> None:
@@ -286,6 +290,22 @@ CASES = [
                            "use block ids this pool allocated")),
     Case("block_id_negative", lambda w: w.raw(table=_with_table(w, i0=-1)), BlockTableError,
          (r"block_table\[0, 0\] = -1 is outside", "use block ids this pool allocated")),
+    # ownership: a raw write may only touch the writing sequence's unshared block
+    Case("raw_write_into_another_sequence",
+         lambda w: w.raw(table=_with_table(w, i0=w.a.blocks[0], i1=w.b.blocks[1]), context_len=5,
+                         write_off=w.b.blocks[1] * BS),
+         OwnershipError, (r"block_table\[0, 1\] = \d+ \(the block written\) belongs to "
+                          r"sequence \d+, whose blocks are", "pass the writing sequence's own")),
+    Case("raw_write_into_a_forked_block",
+         lambda w: w.raw(table=_with_table(w, i0=w.b.blocks[0], i1=w.b.blocks[1]), context_len=6,
+                         write_off=w.b.blocks[1] * BS + 1),
+         OwnershipError, (r"is shared by 2 sequences after fork\(\)", "copy on write"),
+         _fork_b),
+    Case("raw_table_mixes_a_live_sequence_with_a_free_block",
+         lambda w: w.raw(table=_with_table(w, i0=w.a.blocks[0], i1=_free_block(w)),
+                         context_len=5, write_off=_free_block(w) * BS),
+         OwnershipError, (r"is held by no sequence, but the table also lists block \d+ of a "
+                          r"live sequence",)),
     Case("context_len_zero", lambda w: w.raw(context_len=0), BlockTableError,
          (r"context_len=0 outside \[1, 64\]", "pass the sequence length")),
     Case("context_len_past_cap", lambda w: w.raw(context_len=65), BlockTableError,

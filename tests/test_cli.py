@@ -206,3 +206,15 @@ def test_bench_rejects_an_unknown_model_before_writing(runner, tmp_path):
     result = runner.invoke(bench_cmd, ["--model", "tiny", "--model", "tinyy", "--out", str(out)])
     assert result.exit_code == 1 and result.output.startswith("error: model 'tinyy'")
     assert not out.exists()
+
+
+def test_readme_batching_example_runs(artifact_root, monkeypatch, capsys):
+    """The README's many-sequences block, run after the Python API block it builds on."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    first = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    batch = readme.split("### Many sequences at once", 1)[1].split("```python\n", 1)[1]
+    monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))
+    scope: dict = {}
+    exec(compile(first, "README.md", "exec"), scope)
+    exec(compile(batch.split("```", 1)[0], "README.md", "exec"), scope)
+    assert len(scope["texts"]) == 2 and scope["stream"].finish_reason in ("stop", "length")

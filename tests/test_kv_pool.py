@@ -165,9 +165,35 @@ def test_reserve_is_idempotent_and_advance_stays_inside():
     h.reserve(BS + 1)
     assert len(h.blocks) == 2 and h.capacity == 2 * BS and h.length == 0
     h.advance(BS + 1)
-    with pytest.raises(AssertionError):
+    with pytest.raises(CapacityError, match=r"advance\(4\) from length 5 goes past the 2 "
+                                            r"reserved blocks of 4; call reserve\(4\)"):
         h.advance(BS)
+    for bad in (-1, 1.0, True, "1", None):
+        with pytest.raises(InputError, match=r"advance\(.*\): n must be a non-negative integer"):
+            h.advance(bad)
     assert h.length == BS + 1
+
+
+def test_restore_refuses_another_handles_or_a_stale_snapshot():
+    pool = small_pool()
+    a, b = pool.new_sequence(), pool.new_sequence()
+    a.reserve(2)
+    a.advance(2)
+    b.reserve(1)
+    snap_a, snap_b = a.snapshot(), b.snapshot()
+    before = (a.blocks, b.blocks, pool.num_free)
+    with pytest.raises(InputError, match=r"restore\(\) got sequence \d+'s snapshot"):
+        b.restore(snap_a)
+    for bad in (None, ((0, 1), 2), ((), 0)):
+        with pytest.raises(InputError, match=r"restore\(\) got .* snapshot"):
+            a.restore(bad)
+    a.reserve(1)
+    a.advance(1)
+    with pytest.raises(InputError, match=r"snapshot is at length 2, the handle at 3"):
+        a.restore(snap_a)
+    b.restore(snap_b)
+    assert (a.blocks, b.blocks) == before[:2] and a.length == 3
+    pool.allocator.check_invariants()
 
 
 def test_exhaustion_changes_nothing():

@@ -16,7 +16,7 @@ from paged_decode.compile import api, cache
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError
 
-OPTS = dict(block_size=8, max_context=32)
+OPTS = dict(block_size=8, max_context=32, batch_buckets=())
 
 # argv: root, marker file (one line per compile), ready file, go file
 RACER = f"""

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from paged_decode.runtime.errors import BusyError
 from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.sampling import SamplingParams
 from paged_decode.runtime.session import PagedDecodeSession
@@ -81,3 +82,26 @@ def test_each_session_has_its_own_vm(tiny):
     b = PagedDecodeSession(artifact, weights, make_pool(artifact, 4))
     assert len({id(artifact.vm), id(a._vm), id(b._vm)}) == 3
     assert a._params is b._params is weights.params  # weights are shared, read-only
+
+
+def test_one_generator_shared_by_threads_matches_sequential_runs(tiny):
+    """Generations on one generator (as an Engine's) from several threads run one at a time:
+    each equals its sequential run, and the pool ends with every block free."""
+    artifact, weights = tiny
+    gen = Generator(artifact, weights, make_pool(artifact, 16))
+    sequential = [gen.generate(p, max_new_tokens=40, sampling=s) for p, s in JOBS]
+    concurrent = _in_threads(lambda p, s: gen.generate(p, max_new_tokens=40, sampling=s), JOBS)
+    for i, rounds in enumerate(concurrent):
+        assert rounds == [sequential[i]] * ROUNDS
+    assert gen.pool.num_free == gen.pool.num_blocks
+
+
+def test_a_second_generation_on_the_same_thread_is_a_busy_error(tiny):
+    artifact, weights = tiny
+    gen = Generator(artifact, weights, make_pool(artifact, 16))
+    first = gen.stream([1, 2, 3], max_new_tokens=8)
+    head = next(first)
+    with pytest.raises(BusyError, match="unfinished generation on this generator"):
+        gen.generate([4, 5], max_new_tokens=2)
+    assert [head, *first] == gen.generate([1, 2, 3], max_new_tokens=8)
+    assert gen.pool.num_free == gen.pool.num_blocks

@@ -30,6 +30,10 @@ class KernelSet:
     # How a block of one kv head sits in the K pool (the pool's shape is the same either way):
     # "slot-major" ``[slot, dim]`` or "dim-major" ``[dim, slot]`` (``cpu.simd.K_BLOCK_LAYOUT``).
     k_block_layout: str = "slot-major"
+    # batch_decode: B rows of ragged decode (``kernels/cpu/batch.py``); None where a set has
+    # no batched kernels (its artifacts then have no batch buckets)
+    rope_kv_write_batch: Callable | None = None
+    paged_attention_batch: Callable | None = None
 
 
 # Targets whose device code cannot hold the int64 buffers of the ``*_decode_dev`` kernels

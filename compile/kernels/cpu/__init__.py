@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..registry import KernelSet
-from . import attention, gemv, linear, norm, rope_kv
+from . import attention, batch, gemv, linear, norm, rope_kv
 from .simd import K_BLOCK_LAYOUT
 
 
@@ -12,4 +12,5 @@ def cpu_kernels() -> KernelSet:
                      linear.linear_swiglu, rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
-                     attention.paged_attention_decode_dev, K_BLOCK_LAYOUT)
+                     attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
+                     batch.rope_kv_write_batch, batch.paged_attention_batch)

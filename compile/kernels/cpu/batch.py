@@ -1,0 +1,107 @@
+"""Ragged batched decode: one new token for each of ``B`` sequences, each with its own block
+table, context length and write offset.
+
+Buffers (B static, D = head_dim, QKV = (Hq + 2 Hkv) D):
+  rope_kv_write_batch:
+    qkv (B, QKV) float32, k_pool / v_pool (num_blocks, Hkv, block_size, D) written in place,
+    inv_freq (D/2,) float32, block_tables (B, max_blocks_cap) int32,
+    write_offs (B,) int64, context_lens (B,) int64  ->  q_rot (B, Hq D) float32
+  paged_attention_batch:
+    q (B, Hq D) float32, k_pool, v_pool, block_tables (B, cap) int32, context_lens (B,) int64
+    ->  out (B, Hq D) float32
+A row whose ``context_len`` is 0 is padding: it writes nothing to the pool and its outputs are
+zeros.  Every live row's indices are checked before the first write, as in the B = 1 kernels.
+The linear layers of a batched step are the prefill matmuls (rows are independent there).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..common import cached, dtype_tag, finalize
+from .attention import _attend_macro
+from .rope_kv import _rope_macro
+from .simd import scratch_buffer
+
+
+def _row_table(bt, r, cap: int):
+    """Row ``r`` of the ``(B, cap)`` block tables as a ``(1, cap)`` view (what the B = 1
+    macros index as ``bt[0, b]``)."""
+    return T.decl_buffer((1, cap), "int32", data=bt.data, elem_offset=r * cap)
+
+
+def _check_rows(B: int, bs: int, cap: int, nb):
+    @T.macro
+    def check(bt, context_lens):
+        for r in range(B):
+            assert 0 <= context_lens[r] and context_lens[r] <= cap * bs, "context_len outside [0, max_blocks_cap * block_size]"
+            for b in range((context_lens[r] + bs - 1) // bs):
+                assert 0 <= bt[r, b] and T.Cast("int64", bt[r, b]) < nb, "block table entry outside the pool"
+
+    return check
+
+
+@cached
+def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, B: int):
+    """RoPE and the K/V write of ``B`` rows, row ``r`` at position ``context_lens[r] - 1``."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    nb = tirx.Var("num_blocks", "int64")
+    check = _check_rows(B, bs, cap, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((B, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((B, cap), "int32"),
+             write_offs: T.Buffer((B,), "int64"), context_lens: T.Buffer((B,), "int64"),
+             q_rot: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            check(bt, context_lens)
+            for r in range(B):
+                if context_lens[r] > 0:
+                    assert T.Cast("int64", bt[r, (context_lens[r] - 1) // bs]) * bs + (context_lens[r] - 1) % bs == write_offs[r], "write_off does not match the block table at context_len - 1"
+            for r in T.parallel(B):
+                if context_lens[r] > 0:
+                    rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, r, context_lens[r] - 1,
+                               write_offs[r] // bs, write_offs[r] % bs)
+                else:
+                    for c in T.vectorized(Hq * D):
+                        q_rot[r, c] = T.float32(0)
+
+    return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
+                          B: int):
+    """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
+    table; the (row, kv head) tasks run in parallel."""
+    _, _, attend, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    acc_shape, st_shape, r_shape, s_shape = shapes
+    bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
+    check = _check_rows(B, bs, cap, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((B, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((B, cap), "int32"), context_lens: T.Buffer((B,), "int64"),
+             out: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            check(bt, context_lens)
+            for task in T.parallel(B * Hkv):  # (row, kv head)
+                if context_lens[task // Hkv] > 0:
+                    acc = scratch_buffer(acc_shape)
+                    st = scratch_buffer(st_shape)
+                    rs = scratch_buffer(r_shape)
+                    scores = scratch_buffer(s_shape)
+                    attend(q, k_pool, v_pool, _row_table(bt, task // Hkv, cap), out,
+                           task // Hkv, task % Hkv, context_lens[task // Hkv], acc, st, rs,
+                           scores)
+                else:
+                    for c in T.vectorized(G * D):
+                        out[task // Hkv, task % Hkv * G * D + c] = T.float32(0)
+
+    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")

@@ -1,0 +1,128 @@
+"""Batched ragged decode: sequences of different lengths joining and leaving at different steps
+give, each, the greedy tokens of its solo generation; each bucket's plan is built once; a bad
+step changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_decode.runtime.errors import (CapacityError, HandleError, InputError,
+                                         PagedDecodeError, TokenIdError)
+from paged_decode.runtime.generate import Generator
+from paged_decode.runtime.step import BatchDecodeSession
+
+from .conftest import BUCKETS, make_pool
+
+OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
+
+
+@pytest.fixture(params=["tiny", "llama", "qwen2"])
+def model(request, load):
+    """(artifact, weights) of a Llama-shaped preset, a GQA Llama checkpoint and a Qwen2 one
+    (attention bias, tied embeddings), built with the default batch buckets."""
+    name = request.param
+    source = {"tiny": "tiny", "llama": "llama_ckpt", "qwen2": "qwen2_ckpt"}[name]
+    if source != "tiny":
+        source = request.getfixturevalue(source).path
+    return load(source, **OPTS)
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(n)
+    return [list(rng.integers(2, vocab, size=1 + (3 * i) % 9)) for i in range(n)]
+
+
+def _run_batched(artifact, weights, prompts, new_tokens, join_every: int = 1):
+    """Sequence i joins at step ``i * join_every`` (prefilled alone), decodes its own number of
+    tokens in batched steps, and leaves (released) when done.  Returns (tokens, session)."""
+    pool = make_pool(artifact, 200)
+    session = BatchDecodeSession(artifact, weights, pool)
+    out = [[] for _ in prompts]
+    live: dict[int, object] = {}
+    step = 0
+    while step == 0 or live:
+        for i in range(len(prompts)):
+            if i * join_every == step:
+                h = pool.new_sequence()
+                out[i].append(int(session._single.prefill(h, prompts[i]).argmax()))
+                live[i] = h
+        active = [i for i in live if len(out[i]) < new_tokens[i]]
+        if active:
+            logits = session.step([live[i] for i in active], [out[i][-1] for i in active])
+            for row, i in enumerate(active):
+                out[i].append(int(logits[row].argmax()))
+        for i in [i for i in live if len(out[i]) >= new_tokens[i]]:
+            live.pop(i).release()
+        step += 1
+        if step > 4 * len(prompts) + max(new_tokens):  # bounded: every sequence ends
+            raise AssertionError("the batched run did not finish")
+    assert pool.num_free == pool.num_blocks
+    return out, session
+
+
+def _solo(artifact, weights, prompts, new_tokens):
+    gen = Generator(artifact, weights, make_pool(artifact, 20))
+    return [gen.generate(p, max_new_tokens=k) for p, k in zip(prompts, new_tokens)]
+
+
+def test_batched_greedy_equals_each_solo_generation(model):
+    artifact, weights = model
+    prompts = _prompts(5, artifact.manifest.vocab_size)
+    new_tokens = [12, 7, 15, 3, 10]
+    batched, session = _run_batched(artifact, weights, prompts, new_tokens)
+    assert batched == _solo(artifact, weights, prompts, new_tokens)
+    used = {b for b, c in session.realize_counts.items() if c}
+    assert used >= {2, 4, 8} and all(session.plan_builds[b] == 1 for b in used)
+
+
+def test_every_bucket_up_to_32_rows(load):
+    """20 sequences joining two steps apart: the live count passes through every bucket."""
+    artifact, weights = load("tiny", **OPTS)
+    assert artifact.manifest.batch_buckets == BUCKETS
+    prompts = _prompts(20, artifact.manifest.vocab_size)
+    new_tokens = [40 - i for i in range(20)]
+    batched, session = _run_batched(artifact, weights, prompts, new_tokens, join_every=1)
+    assert batched == _solo(artifact, weights, prompts, new_tokens)
+    counts = session.realize_counts
+    assert all(counts[b] > 0 for b in (1, 2, 4, 8, 16, 32)), counts
+    assert session.plan_builds == {1: 1, 2: 1, 4: 1, 8: 1, 16: 1, 32: 1}
+
+
+def _state(pool, handles):
+    return ([(h.length, h.blocks) for h in handles if h.is_live], pool.num_free,
+            [np.from_dlpack(t).tobytes() for t in pool.pools])
+
+
+@pytest.mark.parametrize("bad", ["token", "duplicate", "released", "too_many", "at_capacity",
+                                 "mismatched"])
+def test_a_rejected_step_changes_no_sequence(bad, load):
+    artifact, weights = load("tiny", **OPTS)
+    pool = make_pool(artifact, 60)
+    session = BatchDecodeSession(artifact, weights, pool)
+    handles = [pool.new_sequence() for _ in range(3)]
+    for i, h in enumerate(handles):
+        session._single.prefill(h, [3 + i] * (4 + i))
+    tokens = [5, 6, 7]
+    error: type[PagedDecodeError] = InputError
+    if bad == "token":
+        tokens[1], error = artifact.manifest.vocab_size, TokenIdError
+    elif bad == "duplicate":
+        handles[2], error = handles[0], HandleError
+    elif bad == "released":
+        gone = pool.new_sequence()
+        gone.release()
+        handles[1], error = gone, HandleError
+    elif bad == "too_many":
+        handles = [pool.new_sequence() for _ in range(33)]
+        tokens = [1] * 33
+    elif bad == "at_capacity":
+        session._single.prefill(handles[2], [1] * (artifact.max_tokens - handles[2].length))
+        error = CapacityError
+    else:
+        tokens = tokens[:2]
+    before = _state(pool, handles)
+    with pytest.raises(error):
+        session.step(handles, tokens)
+    assert _state(pool, handles) == before
+    pool.allocator.check_invariants()

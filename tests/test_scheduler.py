@@ -1,0 +1,275 @@
+"""Continuous batching: requests added at any step, finishing or cancelled at any step, chunked
+prefill, preemption by recompute under a small pool; every request equals its solo run."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from paged_decode.runtime.batch_engine import BatchEngine
+from paged_decode.runtime.engine import Engine
+from paged_decode.runtime.errors import CapacityError, InputError
+from paged_decode.runtime.generate import Generator
+from paged_decode.runtime.sampling import SamplingParams
+from paged_decode.runtime.scheduler import Scheduler
+
+from .conftest import BUCKETS, make_pool
+
+OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def tiny(load):
+    return load("tiny", **OPTS)
+
+
+def _jobs(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(list(rng.integers(2, 256, size=1 + (5 * i) % 11)), 3 + (7 * i) % 17)
+            for i in range(n)]
+
+
+def _all_free(sched: Scheduler) -> bool:
+    """No block leaked: once the cache lets go of its blocks, every block is free."""
+    if sched.cache is not None:
+        sched.cache.evict(sched.pool.num_blocks)
+    sched.pool.allocator.check_invariants()
+    return sched.pool.num_free == sched.pool.num_blocks
+
+
+def _solo(tiny, jobs):
+    gen = Generator(*tiny, make_pool(tiny[0], 20))
+    return [gen.generate(p, max_new_tokens=k) for p, k in jobs]
+
+
+def _drain(sched: Scheduler, arrivals: dict, limit: int = 400) -> dict:
+    """Step until no work; ``arrivals``: step -> jobs added before it.  Bounded."""
+    reqs = {}
+    for step in range(limit):
+        for j, (prompt, k) in arrivals.get(step, []):
+            reqs[j] = sched.add(prompt, max_tokens=k)
+        if not sched.has_work and step > max(arrivals, default=0):
+            return reqs
+        sched.step()
+    raise AssertionError("the scheduler did not finish")
+
+
+def test_requests_joining_and_leaving_equal_their_solo_runs(tiny):
+    jobs = _jobs(12)
+    pool = make_pool(tiny[0], 200)
+    sched = Scheduler(*tiny, pool)
+    arrivals: dict = {}
+    for j, step in enumerate((0, 0, 0, 1, 3, 3, 4, 8, 9, 9, 15, 20)):
+        arrivals.setdefault(step, []).append((j, jobs[j]))
+    reqs = _drain(sched, arrivals)
+    assert [reqs[j].tokens for j in range(12)] == _solo(tiny, jobs)
+    assert all(reqs[j].finish_reason == "length" for j in range(12))
+    assert _all_free(sched)
+    assert all(c <= 1 for c in sched.session.plan_builds.values())
+
+
+def test_preemption_under_a_small_pool_finishes_every_request_unchanged(tiny):
+    jobs = _jobs(10, seed=1)
+    pool = make_pool(tiny[0], 14)  # 56 slots for ten requests of up to ~30 tokens
+    sched = Scheduler(*tiny, pool)
+    reqs = _drain(sched, {0: list(enumerate(jobs))})
+    assert sched.preemptions > 0
+    assert [reqs[j].tokens for j in range(10)] == _solo(tiny, jobs)
+    assert _all_free(sched)
+    pool.allocator.check_invariants()
+
+
+def test_a_long_prompt_prefills_in_chunks_without_stalling_others(tiny):
+    pool = make_pool(tiny[0], 60)
+    sched = Scheduler(*tiny, pool, prefill_budget=4)
+    short = sched.add([5, 6], max_tokens=30)
+    sched.step()
+    sched.step()
+    long_prompt = list(range(2, 42))
+    long = sched.add(long_prompt, max_tokens=5)
+    counts = []
+    while long.pending or not long.handle:
+        before = len(short.tokens)
+        sched.step()
+        counts.append(len(short.tokens) - before)
+    assert len(counts) >= 40 // 4 and all(c == 1 for c in counts)  # one token every step
+    while sched.has_work:
+        sched.step()
+    assert [short.tokens, long.tokens] == _solo(tiny, [([5, 6], 30), (long_prompt, 5)])
+
+
+def test_cancel_frees_the_blocks_and_leaves_the_others(tiny):
+    jobs = _jobs(4, seed=2)
+    pool = make_pool(tiny[0], 60)
+    sched = Scheduler(*tiny, pool)
+    reqs = [sched.add(p, max_tokens=k + 10) for p, k in jobs]
+    for _ in range(4):
+        sched.step()
+    sched.cancel(reqs[1])
+    assert reqs[1].finish_reason == "cancelled" and reqs[1].handle is None
+    while sched.has_work:
+        sched.step()
+    solo = _solo(tiny, [(p, k + 10) for p, k in jobs])
+    assert [reqs[i].tokens for i in (0, 2, 3)] == [solo[i] for i in (0, 2, 3)]
+    assert reqs[1].tokens == solo[1][:len(reqs[1].tokens)]
+    assert _all_free(sched)
+
+
+def test_same_seed_same_tokens_in_one_batch(tiny):
+    sched = Scheduler(*tiny, make_pool(tiny[0], 60))
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    a, b = (sched.add([3, 4, 5], max_tokens=20, sampling=params) for _ in range(2))
+    c = sched.add([3, 4, 5], max_tokens=20, sampling=SamplingParams(temperature=0.9, seed=8))
+    while sched.has_work:
+        sched.step()
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_stop_ids_finish_a_request(tiny):
+    sched = Scheduler(*tiny, make_pool(tiny[0], 60))
+    (solo,) = _solo(tiny, [([9, 9, 9], 12)])
+    req = sched.add([9, 9, 9], max_tokens=12, stop_ids=[solo[4]])
+    while sched.has_work:
+        sched.step()
+    assert req.finish_reason == "stop" and req.tokens == solo[:solo.index(solo[4]) + 1]
+
+
+def test_requests_that_can_never_fit_are_refused_up_front(tiny):
+    pool = make_pool(tiny[0], 4)
+    sched = Scheduler(*tiny, pool)
+    with pytest.raises(CapacityError, match=r"need 70 KV slots, a sequence of this artifact "
+                       r"holds 64"):
+        sched.add([1] * 60, max_tokens=11)
+    with pytest.raises(CapacityError, match=r"needs 5 KV blocks, the pool has 4"):
+        sched.add([1] * 10, max_tokens=10)
+    for bad in (0, -1, 2.0):
+        with pytest.raises(InputError, match="max_tokens"):
+            sched.add([1], max_tokens=bad)
+    assert sched.waiting == [] and pool.num_free == 4
+
+
+# -- the batching engine (text, a thread of its own) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines(build):
+    prepared = build("tiny", **OPTS)
+    batch = BatchEngine.load(prepared.artifact_dir, prepared.weights_dir)
+    yield batch, Engine.load(prepared.artifact_dir, prepared.weights_dir)
+    batch.close()
+
+
+PROMPTS = ["hello", "the quick brown fox", "a", "paged decode", "x" * 20, "zz"]
+
+
+def test_generate_many_equals_each_prompt_alone(engines):
+    batch, solo = engines
+    want = ["".join(solo.stream_text(p, max_new_tokens=12)) for p in PROMPTS]
+    assert batch.generate_many(PROMPTS, max_new_tokens=12) == want
+    assert _all_free(batch.scheduler)
+
+
+def test_32_concurrent_streams_each_equal_its_solo_run(engines):
+    batch, solo = engines
+    prompts = [PROMPTS[i % len(PROMPTS)] + str(i) for i in range(32)]
+    want = ["".join(solo.stream_text(p, max_new_tokens=10)) for p in prompts]
+    got = [None] * 32
+    barrier = threading.Barrier(32)
+
+    def client(i):
+        barrier.wait()
+        got[i] = "".join(batch.submit(prompts[i], max_new_tokens=10))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == want
+    assert _all_free(batch.scheduler)
+
+
+def test_stop_strings_cut_the_text_before_them(engines):
+    batch, solo = engines
+    full = "".join(solo.stream_text("hello", max_new_tokens=16))
+    stop = full[5:7]
+    assert stop and full.find(stop) >= 0
+    stream = batch.submit("hello", max_new_tokens=16, stop=[stop])
+    assert stream.text() == full[:full.find(stop)] and stream.finish_reason == "stop"
+
+
+def test_cancelling_a_stream_frees_its_blocks(engines):
+    batch, _ = engines
+    stream = batch.submit("hello", max_new_tokens=50)
+    pieces = iter(stream)
+    next(pieces)
+    stream.cancel()
+    rest = list(pieces)
+    assert stream.finish_reason == "cancelled" and len(rest) < 50
+    batch.generate_many(["a"], max_new_tokens=2)  # a step after the cancel has run
+    assert _all_free(batch.scheduler)
+
+
+def test_bad_submissions_raise_before_queueing(engines):
+    batch, _ = engines
+    for kwargs, match in ((dict(max_new_tokens=0), "max_tokens"),
+                          (dict(stop="x"), "stop="),
+                          (dict(max_new_tokens=500), "KV slots")):
+        with pytest.raises(InputError, match=match):
+            batch.submit("hello", **kwargs)
+    with pytest.raises(InputError, match="not valid text"):
+        batch.submit("\ud800")
+
+
+def test_forks_share_the_prompt_and_each_equals_its_seeded_solo_run(tiny):
+    import dataclasses
+
+    prompt = [7] * 9  # two full blocks of 4 and one token in a third
+    pool = make_pool(tiny[0], 60)
+    sched = Scheduler(*tiny, pool)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=11)
+    group = sched.add_forks(prompt, 3, max_tokens=12, sampling=params)
+    sched.step()  # prefilled once, forked, first tokens sampled, one decode step
+    # the two full prompt blocks are held once; the third was copied on write by two forks
+    assert pool.num_blocks - pool.num_free == 2 + 3
+    assert pool.allocator.refcount(group[0].handle.blocks[0]) == 3
+    while sched.has_work:
+        sched.step()
+    gen = Generator(*tiny, make_pool(tiny[0], 20))
+    for i, req in enumerate(group):
+        solo = gen.generate(prompt, max_new_tokens=12,
+                            sampling=dataclasses.replace(params, seed=11 + i))
+        assert req.tokens == solo, i
+    assert len({tuple(r.tokens) for r in group}) > 1
+    assert _all_free(sched)
+    pool.allocator.check_invariants()
+
+
+def test_greedy_forks_cancelled_head_and_preemption(tiny):
+    """Cancelling the first continuation leaves the others; under a pool too small for all,
+    forks preempted and recomputed still equal the solo run."""
+    prompt = list(range(3, 14))
+    (solo,) = _solo(tiny, [(prompt, 20)])
+    pool = make_pool(tiny[0], 9)
+    sched = Scheduler(*tiny, pool)
+    group = sched.add_forks(prompt, 4, max_tokens=20)
+    sched.step()
+    sched.cancel(group[0])
+    while sched.has_work:
+        sched.step()
+    assert all(r.tokens == solo for r in group[1:]) and sched.preemptions > 0
+    assert _all_free(sched)
+
+
+def test_run_prints_n_samples(artifact_root):
+    from click.testing import CliRunner
+
+    from paged_decode.cli import run_cmd
+
+    result = CliRunner().invoke(run_cmd, [
+        "--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+        str(artifact_root), "--prompt", "hello", "--max-new-tokens", "8", "--n", "3",
+        "--temperature", "0.8", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert [f"--- sample {i} of 3 ---" in result.output for i in (1, 2, 3)] == [True] * 3
