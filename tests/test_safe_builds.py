@@ -121,7 +121,7 @@ def _spec_and_target():
 
     tspec = resolve_target(None)
     return api._spec(resolve_model("tiny"), tspec, OPTS["block_size"], OPTS["max_context"], None,
-                     "float32", "float32"), tspec
+                     "float32", "float32", OPTS["batch_buckets"]), tspec
 
 
 def test_sweep_keeps_live_builders_and_foreign_names(tmp_path):
