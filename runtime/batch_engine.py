@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .artifact import Artifact, WeightPack, load_artifact, load_weights
-from .errors import InputError, PagedDecodeError
+from .errors import InputError
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
@@ -189,8 +189,8 @@ class BatchEngine:
                 continue  # drain the inbox before stepping
             try:
                 produced = sched.step()
-            except PagedDecodeError as e:
-                self._fail_all(e)
+            except Exception as e:  # noqa: BLE001 - any failure ends the requests it hit, with
+                self._fail_all(e)  # the error re-raised in each stream; the engine goes on
                 continue
             for req, token in produced:
                 stream = self._streams.get(req.id)

@@ -273,3 +273,21 @@ def test_run_prints_n_samples(artifact_root):
         "--temperature", "0.8", "--seed", "1"])
     assert result.exit_code == 0, result.output
     assert [f"--- sample {i} of 3 ---" in result.output for i in (1, 2, 3)] == [True] * 3
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engines, monkeypatch):
+    batch, solo = engines
+    real = batch.scheduler.session.step
+
+    def broken(*args):
+        monkeypatch.setattr(batch.scheduler.session, "step", real)  # fails once
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(batch.scheduler.session, "step", broken)
+    stream = batch.submit("hello", max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="simulated kernel failure"):
+        stream.text()
+    assert stream.finish_reason == "error"
+    want = "".join(solo.stream_text("paged", max_new_tokens=8))
+    assert batch.generate_many(["paged"], max_new_tokens=8) == [want]
+    assert _all_free(batch.scheduler)
