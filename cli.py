@@ -225,9 +225,9 @@ def _run_many(prepared, prompt, chat, n, max_new_tokens, sampling, by_blocks) ->
             for piece in stream:
                 click.echo(piece, nl=False)
             click.echo()
-        tokens = sum(len(s.tokens) for s in streams)
-        click.echo(f"{n} samples, {tokens} tokens in {time.perf_counter() - t0:.2f} s "
-                   f"({tokens / (time.perf_counter() - t0):.1f} tokens/s together)", err=True)
+        tokens, seconds = sum(len(s.tokens) for s in streams), time.perf_counter() - t0
+        click.echo(f"{n} samples, {tokens} tokens in {seconds:.2f} s "
+                   f"({tokens / seconds:.1f} tokens/s together)", err=True)
 
 
 @click.command("paged-cache")

@@ -129,7 +129,7 @@ class Manifest:
     def to_dict(self) -> dict:
         """The JSON object this manifest was parsed from (lists where JSON has them)."""
         d = dataclasses.asdict(self)
-        d["params"] = [[n, list(s), dt] for n, s, dt in self.params]
+        d["params"] = self.param_layout
         d["functions"] = list(self.functions)
         d["batch_buckets"] = list(self.batch_buckets)
         if self.model_arg is None:

@@ -105,11 +105,17 @@ def check_prompt(token_ids, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _host_logits(logits) -> np.ndarray:
-    """Copy the VM's (1, vocab) output into a fresh host array (the VM reuses its memory)."""
+def host_rows(logits, n: int) -> np.ndarray:
+    """The first ``n`` rows of the VM's ``(B, vocab)`` output, copied into a fresh host array
+    (the VM reuses its memory)."""
     if on_host(logits.device):
-        return np.array(np.from_dlpack(logits)[0])
-    return logits.numpy()[0]
+        return np.array(np.from_dlpack(logits)[:n])
+    return logits.numpy()[:n]
+
+
+def _host_logits(logits) -> np.ndarray:
+    """The ``(vocab,)`` logits of a ``(1, vocab)`` output."""
+    return host_rows(logits, 1)[0]
 
 
 class PagedDecodeSession:

@@ -21,7 +21,7 @@ from .errors import HandleError, InputError
 from .host_memory import on_host
 from .kv_pool import PagedKVCache, SessionHandle
 from .session import (PagedDecodeSession, ValidityKey, check_compatible, check_token_id,
-                      validity_key_for)
+                      host_rows, validity_key_for)
 
 
 @dataclasses.dataclass
@@ -139,7 +139,7 @@ class BatchDecodeSession:
         for h in handles:
             h.advance(1)
         self._counts[rows] += 1
-        return self._host_logits(logits, len(handles))
+        return host_rows(logits, len(handles))
 
     def _fill(self, plan: _Plan, handles, tokens) -> None:
         ids, tables, ctx, offs = plan.hosts
@@ -150,9 +150,3 @@ class BatchDecodeSession:
             ctx[r] = h.length + 1
             offs[r] = h.write_offset(h.length)
         ids[n:], tables[n:], ctx[n:], offs[n:] = 0, 0, 0, 0  # padding rows write nothing
-
-    @staticmethod
-    def _host_logits(logits, n: int) -> np.ndarray:
-        if on_host(logits.device):
-            return np.array(np.from_dlpack(logits)[:n])
-        return logits.numpy()[:n]
