@@ -1,4 +1,5 @@
-"""Command line: paged-compile, paged-run, paged-bench, paged-cache (parse -> call -> print).
+"""Command line: paged-compile, paged-run, paged-serve, paged-bench, paged-cache (parse -> call
+-> print).
 
 Errors of the paged-decode family print one line and exit 1; anything else keeps its traceback.
 """
@@ -230,6 +231,61 @@ def _run_many(prepared, prompt, chat, n, max_new_tokens, sampling, by_blocks) ->
                    f"({tokens / seconds:.1f} tokens/s together)", err=True)
 
 
+@click.command("paged-serve")
+@build_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="address to bind; one other machines reach needs --api-key or "
+              "--allow-remote")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="PAGED_DECODE_API_KEY",
+              help="require 'Authorization: Bearer KEY' on /v1 [env PAGED_DECODE_API_KEY]")
+@click.option("--allow-remote", is_flag=True,
+              help="bind a non-loopback address without an API key")
+@click.option("--served-model-name", default=None,
+              help="the model id clients send (default: the artifact's model name)")
+@click.option("--chat-template", default=None, type=click.Path(dir_okay=False),
+              help="a Jinja chat template file, for models without one or to replace it")
+@click.option("--max-running", default=None, type=click.IntRange(min=1),
+              help="sequences decoded together (default: the largest batch bucket)")
+@click.option("--max-waiting", default=64, show_default=True, type=click.IntRange(min=0),
+              help="requests queued beyond --max-running; more are answered 429")
+@click.option("--prefill-budget", default=512, show_default=True, type=click.IntRange(min=1),
+              help="prompt tokens prefilled per step, so long prompts do not stall streams")
+@click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="KV pool size (default: room for --max-running full-length sequences, at "
+              "most a quarter of the memory)")
+@click.option("--shutdown-timeout", default=30.0, show_default=True,
+              type=click.FloatRange(min=0),
+              help="seconds running requests get to finish after SIGTERM")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@_clean_errors
+def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_template, max_running,
+              max_waiting, prefill_budget, kv_cache_gb, shutdown_timeout, log_level, **opts):
+    """Serve the model over HTTP with the OpenAI API (completions, chat, streaming)."""
+    from paged_decode.runtime.errors import ConfigError
+    from paged_decode.serve import check_bind, load_engine, run_server
+    from paged_decode.serve.app import create_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
+    check_bind(host, api_key, allow_remote)  # before any compile
+    prepared, _ = _prepare(**opts)
+    if not prepared.manifest.batch_buckets:
+        raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "
+                          "--batch-buckets (the CPU's default is 2,4,8,16,32)")
+    engine = load_engine(prepared.artifact_dir, prepared.weights_dir, kv_cache_gb=kv_cache_gb,
+                         max_running=max_running, max_waiting=max_waiting,
+                         prefill_budget=prefill_budget, chat_template=chat_template)
+    try:
+        name = served_model_name or prepared.manifest.name
+        app = create_app(engine, name, api_key=api_key)
+        _progress(f"serving {name} on http://{host}:{port}/v1 ({engine.pool.num_blocks} KV "
+                  f"blocks, {engine.scheduler.max_running} running at most)")
+        run_server(app, host, port, shutdown_timeout=shutdown_timeout, log_level=log_level)
+    finally:
+        engine.close()
+
+
 @click.command("paged-cache")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @click.option("--clear", is_flag=True, help="delete every artifact and weight pack")
@@ -284,6 +340,6 @@ def main():
     """paged-decode: compiled paged-KV decode for Llama-family models."""
 
 
-for _cmd, _name in ((compile_cmd, "compile"), (run_cmd, "run"), (bench_cmd, "bench"),
-                    (cache_cmd, "cache")):
+for _cmd, _name in ((compile_cmd, "compile"), (run_cmd, "run"), (serve_cmd, "serve"),
+                    (bench_cmd, "bench"), (cache_cmd, "cache")):
     main.add_command(_cmd, _name)

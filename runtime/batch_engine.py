@@ -10,60 +10,97 @@ held back until it cannot.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .artifact import Artifact, WeightPack, load_artifact, load_weights
-from .errors import InputError
+from .checks import is_int
+from .errors import InputError, QueueFullError
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
-from .scheduler import Request, Scheduler
+from .scheduler import Request, Scheduler, TokenLogprob
 from .tokenizer import Tokenizer
 
 _END = object()
 
 
-class RequestStream:
-    """One submitted request: iterate it for text pieces; ``text()`` waits for all of it."""
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """A piece of a request's output: text, and the log-probabilities of the tokens it came
+    from (only when the request asked for them; a stop id has text and no entry)."""
 
-    def __init__(self, engine: "BatchEngine", req: Request, stops: tuple[str, ...]):
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+# listener(stream, delta): called on the engine's thread for each piece, then once with None
+# when the stream ends (its finish_reason and error are set by then); it must not block
+Listener = Callable[["RequestStream", "Delta | None"], None]
+
+
+class RequestStream:
+    """One submitted request: iterate it for text pieces; ``text()`` waits for all of it.
+
+    With a ``listener`` (see :data:`Listener`) the pieces go to it instead, and the stream is
+    not iterated."""
+
+    def __init__(self, engine: "BatchEngine", req: Request, stops: tuple[str, ...],
+                 listener: Listener | None = None):
         self._engine, self.request, self._stops = engine, req, stops
+        self._listener = listener
         self._pieces: queue.Queue = queue.Queue()
         self._decoder = engine.tokenizer.stream(skip_special_tokens=True)
         self._text, self._sent = "", 0  # decoded so far, and how much of it was handed out
+        self._pushed = 0  # tokens seen, so the next one's log-probability is logprobs[_pushed]
+        self._held: list[TokenLogprob] = []  # entries of tokens whose text is not out yet
+        self._cut = False  # a stop string ended the text
         self.error: BaseException | None = None
         self.finish_reason: str | None = None
 
     # called on the engine's thread -------------------------------------------------------------
     def _push(self, token: int) -> bool:
         """Add a token's text; True when a stop string ended the request."""
-        if token not in self.request.stop_ids:
+        req = self.request
+        if self._cut:  # a token of the step whose earlier token completed a stop string
+            return True
+        if token not in req.stop_ids:
             self._text += self._decoder.push(token)
+            if req.top_logprobs is not None:
+                self._held.append(req.logprobs[self._pushed])
+        self._pushed += 1
         cut = min((i for i in (self._text.find(s) for s in self._stops) if i >= 0), default=-1)
         if cut >= 0:
-            self._text = self._text[:cut]
+            self._text, self._cut = self._text[:cut], True
             self._send(len(self._text))
             return True
         hold = max((len(s) - 1 for s in self._stops), default=0)
         self._send(max(self._sent, len(self._text) - hold))
         return False
 
-    def _send(self, upto: int) -> None:
-        if upto > self._sent:
-            self._pieces.put(self._text[self._sent:upto])
-            self._sent = upto
+    def _send(self, upto: int, final: bool = False) -> None:
+        if upto > self._sent or (final and self._held):
+            self._deliver(Delta(self._text[self._sent:upto], tuple(self._held)))
+            self._sent, self._held = upto, []
+
+    def _deliver(self, item) -> None:
+        if self._listener is None:
+            self._pieces.put(item)
+        else:
+            self._listener(self, None if item is _END else item)
 
     def _close(self, reason: str | None, error: BaseException | None = None) -> None:
         if error is None and reason != "stop":
             self._text += self._decoder.flush()
-        self._send(len(self._text))
+        self._send(len(self._text), final=True)
         self.finish_reason, self.error = reason, error
-        self._pieces.put(_END)
+        self._deliver(_END)
 
     # called by the user ------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[str]:
+    def deltas(self) -> Iterator[Delta]:
+        """The pieces as :class:`Delta` objects (text with log-probabilities)."""
         while True:
             piece = self._pieces.get()
             if piece is _END:
@@ -72,6 +109,9 @@ class RequestStream:
                     raise self.error
                 return
             yield piece
+
+    def __iter__(self) -> Iterator[str]:
+        return (d.text for d in self.deltas() if d.text)
 
     def text(self) -> str:
         """The whole completion (waits for the request to finish)."""
@@ -90,15 +130,24 @@ class BatchEngine:
     """Continuous batching over one artifact: many requests, one pool, one scheduler thread.
 
     Thread safety: ``submit`` / ``cancel`` / ``generate_many`` may be called from any thread;
-    the model runs only on the engine's thread.
+    the model runs only on the engine's thread.  ``max_waiting`` bounds the requests submitted
+    beyond those that can run at once (``scheduler.max_running``): a submission past it raises
+    :class:`~paged_decode.runtime.errors.QueueFullError` instead of queueing without bound.
     """
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache,
-                 tokenizer: Tokenizer, **scheduler_options):
+                 tokenizer: Tokenizer, *, max_waiting: int | None = None, **scheduler_options):
         self.artifact, self.weights, self.pool, self.tokenizer = artifact, weights, pool, tokenizer
         self.scheduler = Scheduler(artifact, weights, pool, **scheduler_options)
+        if max_waiting is not None and not (is_int(max_waiting) and max_waiting >= 0):
+            raise InputError(f"max_waiting={max_waiting!r}: must be an integer >= 0, or None "
+                             "for no bound")
+        self.max_waiting = max_waiting
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[int, RequestStream] = {}
+        self._active = 0  # submitted and not yet ended; under _lock
+        self._lock = threading.Lock()
+        self._grammars = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="paged-decode-batch",
                                         daemon=True)
@@ -121,28 +170,64 @@ class BatchEngine:
                              "takes text: build from a model directory with tokenizer.json")
         return cls(artifact, weights, pool, Tokenizer.from_dir(weights_dir), **scheduler_options)
 
-    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-               chat: bool = False) -> RequestStream:
-        """Queue one request (text, or token ids) and return its stream at once.  Bad values
-        raise here, before anything is queued."""
-        return self.submit_n(prompt, 1, max_new_tokens=max_new_tokens, sampling=sampling,
-                             stop=stop, chat=chat)[0]
+    def submit(self, prompt: str | Sequence[int], **options) -> RequestStream:
+        """Queue one request (text, or token ids) and return its stream at once; the options
+        are :meth:`submit_n`'s.  Bad values raise here, before anything is queued."""
+        return self.submit_n(prompt, 1, **options)[0]
 
     def submit_n(self, prompt: str | Sequence[int], n: int, *, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 chat: bool = False) -> list[RequestStream]:
+                 chat: bool = False, top_logprobs: int | None = None, constraint=None,
+                 listener: Listener | None = None) -> list[RequestStream]:
         """``n`` continuations of one prompt, prefilled once and sharing its KV blocks
-        (``Scheduler.make_forks``: continuation ``i`` samples with ``seed + i``)."""
+        (``Scheduler.make_forks``: continuation ``i`` samples with ``seed + i``).
+
+        ``top_logprobs``: record each token's log-probability and that many alternatives
+        (:class:`Delta`); ``constraint``: a grammar (``self.grammars.json_schema(...)``);
+        ``listener``: receives the pieces instead of the streams' iterators."""
         if self._closed:
             raise InputError("the engine is closed; load a new one")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
         group = self.scheduler.make_forks(self._encode(prompt, chat), n, max_new_tokens,
-                                          sampling, self.tokenizer.eos_ids)
-        streams = [RequestStream(self, req, tuple(stop)) for req in group]
+                                          sampling, self.tokenizer.eos_ids,
+                                          top_logprobs=top_logprobs, constraint=constraint)
+        streams = [RequestStream(self, req, tuple(stop), listener) for req in group]
+        with self._lock:
+            bound = None if self.max_waiting is None else self.scheduler.max_running + \
+                self.max_waiting
+            if bound is not None and self._active + len(streams) > bound:
+                raise QueueFullError(f"{self._active} requests are running or waiting, the "
+                                     f"engine takes {bound} (max_running "
+                                     f"{self.scheduler.max_running} + max_waiting "
+                                     f"{self.max_waiting}); retry when some have finished")
+            self._active += len(streams)
         self._inbox.put(("add", streams))
         return streams
+
+    @property
+    def grammars(self):
+        """The :class:`~paged_decode.runtime.grammar.GrammarCompiler` of this model's tokenizer
+        (built at first use)."""
+        with self._lock:
+            if self._grammars is None:
+                from .grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer,
+                                                 self.artifact.manifest.vocab_size)
+            return self._grammars
+
+    def stats(self) -> dict:
+        """Counters for monitoring, readable from any thread (values may be one step old)."""
+        sched, cache = self.scheduler, self.scheduler.cache
+        with self._lock:
+            active = self._active
+        running = len(sched.running)
+        return {"running": running, "waiting": max(active - running, 0),
+                "blocks_total": self.pool.num_blocks,
+                "blocks_used": self.pool.num_blocks - self.pool.num_free,
+                "steps": sched.steps, "preemptions": sched.preemptions,
+                "prefix_cache": cache.stats() if cache is not None else None}
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], **options) -> list[str]:
         """Submit every prompt (the same options for each) and return their completions."""
@@ -192,26 +277,43 @@ class BatchEngine:
             except Exception as e:  # noqa: BLE001 - any failure ends the requests it hit, with
                 self._fail_all(e)  # the error re-raised in each stream; the engine goes on
                 continue
+            # a request can produce two tokens in one step (its prompt's last chunk, then a
+            # decode row): each is pushed before any stream closes
             for req, token in produced:
                 stream = self._streams.get(req.id)
                 if stream is not None and stream._push(token) and not req.finished:
                     sched.cancel(req)
                     req.finish_reason = "stop"
-                if req.finished:
-                    self._retire(req)
+            for req in dict.fromkeys(req for req, _ in produced if req.finished):
+                self._retire(req)
+            for req in sched.failed:
+                self._retire(req, req.error)
         for req in list(sched.running) + list(sched.waiting):
             sched.cancel(req)
             self._retire(req)
+        self._drain_after_close()
 
-    def _retire(self, req: Request) -> None:
+    def _drain_after_close(self) -> None:
+        """Streams submitted while the engine closed end as cancelled, never waiting forever."""
+        while True:
+            try:
+                kind, streams = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            for stream in streams if kind == "add" else ():
+                stream.request.finish_reason = "cancelled"
+                self._streams[stream.request.id] = stream
+                self._retire(stream.request)
+
+    def _retire(self, req: Request, error: BaseException | None = None) -> None:
         stream = self._streams.pop(req.id, None)
         if stream is not None:
-            stream._close(req.finish_reason)
+            with self._lock:
+                self._active -= 1
+            stream._close("error" if error is not None else req.finish_reason, error)
 
     def _fail_all(self, error: BaseException) -> None:
         sched = self.scheduler
         for req in list(sched.running) + list(sched.waiting):
             sched.cancel(req)
-            stream = self._streams.pop(req.id, None)
-            if stream is not None:
-                stream._close("error", error)
+            self._retire(req, error)

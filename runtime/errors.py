@@ -79,6 +79,16 @@ class HandleError(InputError):
     """A ``SessionHandle`` is released, or belongs to another pool or allocation."""
 
 
+class QueueFullError(PagedDecodeError):
+    """The batching engine already holds its maximum of running and waiting requests; retry
+    once some finish (an HTTP server answers 429 with ``Retry-After``)."""
+
+
+class GrammarError(InputError):
+    """A structured-output constraint (JSON schema, grammar) is invalid or cannot be built for
+    this tokenizer."""
+
+
 class BusyError(PagedDecodeError):
     """A generation was started on a thread that has one of the same generator unfinished (it
     would wait for itself); finish or close the first stream."""

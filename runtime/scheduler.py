@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,6 +38,17 @@ from .session import check_prompt
 from .step import BatchDecodeSession
 
 _IDS = itertools.count(1)
+MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the model's own distribution (the logits as
+    computed: before temperature, top-k / top-p and any grammar mask), with the ``top`` most
+    likely ``(token, logprob)`` pairs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple
 
 
 @dataclasses.dataclass(eq=False)
@@ -44,9 +56,10 @@ class Request:
     """One generation: its prompt, limits and sampler, and what it produced so far.
 
     ``tokens``: generated ids; ``finish_reason``: None while it runs, then ``"stop"`` (a stop
-    id), ``"length"`` (``max_tokens``) or ``"cancelled"``.  ``first_token_s`` / ``token_times``:
+    id), ``"length"`` (``max_tokens``), ``"cancelled"`` or ``"error"``.  ``first_token_s`` / ``token_times``:
     ``time.perf_counter()`` at its first and every token (time to first token, inter-token
-    latency)."""
+    latency).  ``top_logprobs``: None, or how many alternatives each :class:`TokenLogprob` in
+    ``logprobs`` lists; ``constraint``: a grammar the tokens must follow (:mod:`.grammar`)."""
 
     prompt: list[int]
     max_tokens: int
@@ -64,6 +77,10 @@ class Request:
     # prompt blocks (forked when the prompt is prefilled) instead of prefilling its own
     fork_of: "Request | None" = None
     forks: list = dataclasses.field(default_factory=list)
+    top_logprobs: int | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    constraint: object | None = None
+    error: Exception | None = None  # why it finished as "error"
 
     @property
     def finished(self) -> bool:
@@ -98,50 +115,63 @@ class Scheduler:
         self.running: list[Request] = []
         self.steps = 0
         self.preemptions = 0
+        self.failed: list[Request] = []  # the requests the last step ended as "error"
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, prompt_ids, max_tokens: int = 64, sampling: SamplingParams | None = None,
-            stop_ids=()) -> Request:
+            stop_ids=(), **extras) -> Request:
         """Queue a request (:meth:`make_request`)."""
-        req = self.make_request(prompt_ids, max_tokens, sampling, stop_ids)
+        req = self.make_request(prompt_ids, max_tokens, sampling, stop_ids, **extras)
         self.waiting.append(req)
         return req
 
     def add_forks(self, prompt_ids, n: int, max_tokens: int = 64,
-                  sampling: SamplingParams | None = None, stop_ids=()) -> list[Request]:
+                  sampling: SamplingParams | None = None, stop_ids=(), **extras
+                  ) -> list[Request]:
         """Queue ``n`` continuations of one prompt (:meth:`make_forks`)."""
-        group = self.make_forks(prompt_ids, n, max_tokens, sampling, stop_ids)
+        group = self.make_forks(prompt_ids, n, max_tokens, sampling, stop_ids, **extras)
         self.waiting.extend(group)
         return group
 
     def make_forks(self, prompt_ids, n: int, max_tokens: int = 64,
-                   sampling: SamplingParams | None = None, stop_ids=()) -> list[Request]:
+                   sampling: SamplingParams | None = None, stop_ids=(), **extras
+                   ) -> list[Request]:
         """``n`` requests over one prompt, prefilled once: the first prefills it, the others
         fork its sequence then (sharing the prompt's blocks; the partly filled last block is
         copied when a continuation first writes it).  Continuation ``i`` samples with seed
-        ``seed + i`` (fresh entropy each without a seed)."""
+        ``seed + i`` (fresh entropy each without a seed) and follows its own copy of the
+        constraint."""
         if not is_int(n) or n < 1:
             raise InputError(f"n={n!r}: must be a positive integer (continuations)")
         params = sampling or SamplingParams()
-        head = self.make_request(prompt_ids, max_tokens, params, stop_ids)
+        head = self.make_request(prompt_ids, max_tokens, params, stop_ids, **extras)
         group = [head]
         for i in range(1, int(n)):
             seeded = (params if params.seed is None
                       else dataclasses.replace(params, seed=params.seed + i))
             child = Request(head.prompt, head.max_tokens, Sampler(seeded), head.stop_ids,
-                            fork_of=head)
+                            fork_of=head, top_logprobs=head.top_logprobs,
+                            constraint=None if head.constraint is None
+                            else head.constraint.copy())
             head.forks.append(child)
             group.append(child)
         return group
 
     def make_request(self, prompt_ids, max_tokens: int = 64,
-                     sampling: SamplingParams | None = None, stop_ids=()) -> Request:
+                     sampling: SamplingParams | None = None, stop_ids=(), *,
+                     top_logprobs: int | None = None, constraint=None) -> Request:
         """A request checked up front, not queued (bad values: :class:`InputError`; one that
         can never fit: :class:`CapacityError` naming the capacity).  Reads nothing that a step
-        changes, so any thread may call it."""
+        changes, so any thread may call it.  ``top_logprobs`` (0 to 20) records each token's
+        log-probability and that many alternatives; ``constraint`` (:mod:`.grammar`) masks
+        every step's logits to what a grammar admits."""
         ids = [int(t) for t in check_prompt(prompt_ids, self.artifact.manifest.vocab_size)]
         if not is_int(max_tokens) or max_tokens < 1:
             raise InputError(f"max_tokens={max_tokens!r}: must be a positive integer")
+        if top_logprobs is not None and not (is_int(top_logprobs)
+                                             and 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InputError(f"top_logprobs={top_logprobs!r}: must be an integer from 0 to "
+                             f"{MAX_TOP_LOGPROBS}, or None")
         need = len(ids) + int(max_tokens) - 1  # the last token is never written
         cap = self.artifact.max_tokens
         if need > cap:
@@ -153,7 +183,8 @@ class Scheduler:
             raise CapacityError(f"the request needs {blocks} KV blocks, the pool has "
                                 f"{self.pool.num_blocks}; allocate a larger pool")
         stop = frozenset(int(t) for t in stop_ids)
-        req = Request(ids, int(max_tokens), Sampler(sampling), stop)
+        req = Request(ids, int(max_tokens), Sampler(sampling), stop, constraint=constraint,
+                      top_logprobs=None if top_logprobs is None else int(top_logprobs))
         req.pending = list(ids)
         return req
 
@@ -173,7 +204,9 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[tuple[Request, int]]:
         """Admit, prefill a chunk, decode one token of every decoding request; returns the
-        ``(request, token)`` pairs produced, in order."""
+        ``(request, token)`` pairs produced, in order.  A request whose own sampling or
+        constraint failed is finished as ``"error"`` and listed in :attr:`failed`."""
+        self.failed = []
         self._admit()
         out = self._prefill_chunks()
         decoding = [r for r in self.running if not r.pending and not r.finished]
@@ -285,34 +318,61 @@ class Scheduler:
         return victim
 
     def _emit(self, rows: list[Request], logits: np.ndarray) -> list[tuple[Request, int]]:
-        tokens = self._sample(rows, logits)
+        """Sample, record and check one token per row.  What fails for one row (its sampler,
+        its constraint) ends that request alone as ``"error"`` (:attr:`failed`)."""
+        errors: dict[int, Exception] = {}
+        constrained = any(r.constraint is not None for r in rows)
+        tokens = self._sample(rows, _masked(rows, logits, errors) if constrained else logits,
+                              errors)
         now = time.perf_counter()
         out = []
-        for req, token in zip(rows, tokens):
+        for i, (req, token) in enumerate(zip(rows, tokens)):
+            try:
+                if i in errors:
+                    raise errors[i]
+                if req.top_logprobs is not None:
+                    entry = token_logprob(logits[i], token, req.top_logprobs)
+                if req.constraint is not None:
+                    req.constraint.accept(token)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                self._fail(req, e)
+                continue
+            if req.top_logprobs is not None:
+                req.logprobs.append(entry)
             req.tokens.append(token)
             req.token_times.append(now)
             out.append((req, token))
-            if token in req.stop_ids:
+            if token in req.stop_ids or (req.constraint is not None and req.constraint.done):
                 self._finish(req, "stop")
             elif len(req.tokens) >= req.max_tokens:
                 self._finish(req, "length")
         return out
 
     @staticmethod
-    def _sample(rows: list[Request], logits: np.ndarray) -> list[int]:
+    def _sample(rows: list[Request], logits: np.ndarray, errors: dict) -> list[int]:
         """One token per row: every greedy row from one ``argmax`` over the batch, the others
-        through their own seeded sampler."""
+        through their own seeded sampler; a row that cannot be sampled goes into ``errors``."""
         greedy = [i for i, r in enumerate(rows) if r.sampler.params.greedy]
         tokens = [0] * len(rows)
-        if greedy and np.isfinite(logits[greedy]).all():
+        # a row's maximum is NaN or infinite where the row is unusable; masked -inf entries
+        # below a finite maximum are fine for argmax
+        if greedy and np.isfinite(logits[greedy].max(axis=1)).all():
             for i, t in zip(greedy, np.argmax(logits[greedy], axis=1)):
                 tokens[i] = int(t)
         else:
             greedy = []  # non-finite logits: each sampler says which row (SamplingError)
         for i, r in enumerate(rows):
-            if i not in greedy:
-                tokens[i] = r.sampler.sample(logits[i])
+            if i not in greedy and i not in errors:
+                try:
+                    tokens[i] = r.sampler.sample(logits[i])
+                except Exception as e:  # noqa: BLE001 - that row's failure (NaN logits...)
+                    errors[i] = e
         return tokens
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        req.error = error
+        self.failed.append(req)
+        self._finish(req, "error")
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
@@ -324,3 +384,28 @@ class Scheduler:
                 self.cache.insert(written, req.handle.blocks)
             req.handle.release()
             req.handle = None
+
+
+def _masked(rows: list[Request], logits: np.ndarray, errors: dict) -> np.ndarray:
+    """A copy of ``logits`` with every token a row's constraint rules out at ``-inf``; a
+    constraint that fails goes into ``errors``."""
+    out = np.array(logits, dtype=np.float32)
+    for i, req in enumerate(rows):
+        if req.constraint is not None:
+            try:
+                out[i, ~req.constraint.allowed()] = -np.inf
+            except Exception as e:  # noqa: BLE001 - that request's failure
+                errors[i] = e
+    return out
+
+
+def token_logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-softmax in ``row`` (float32 logits ``[vocab_size]``) and the ``top``
+    most likely tokens (ties: lowest id first)."""
+    x = row.astype(np.float64)
+    high = x.max()
+    lse = high + np.log(np.exp(x - high).sum())
+    ids = np.argpartition(-x, top)[:top] if 0 < top < len(x) else np.arange(len(x))[:top]
+    ids = sorted(ids.tolist(), key=lambda t: (-x[t], t))
+    return TokenLogprob(int(token), float(x[token] - lse),
+                        tuple((t, float(x[t] - lse)) for t in ids))

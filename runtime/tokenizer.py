@@ -122,6 +122,15 @@ class Tokenizer:
                              f"({type(e).__name__}: {e}); run without --chat (a plain prompt "
                              "is not templated)") from e
 
+    def set_chat_template(self, source: str) -> None:
+        """Use ``source`` (a Jinja chat template, as in tokenizer_config.json) from now on;
+        one that does not parse is an :class:`InputError`."""
+        try:
+            template = _compile_template(source)
+        except ArtifactError as e:
+            raise InputError(f"the chat template does not parse: {e.__cause__}") from e
+        self.chat_template, self._template = source, template
+
     def encode_prompt(self, prompt: str, chat: bool = False, what: str = "the prompt"
                       ) -> list[int]:
         """``prompt`` as ids: as it is, or (``chat``) as the user message of the model's chat

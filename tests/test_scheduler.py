@@ -170,6 +170,15 @@ def test_generate_many_equals_each_prompt_alone(engines):
     assert _all_free(batch.scheduler)
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3])
+def test_requests_ending_in_their_first_step_keep_every_token(engines, max_new_tokens):
+    """A new request's first step yields two tokens (its prompt's last chunk, then a decode
+    row): both reach the text even when the request ends with the second."""
+    batch, solo = engines
+    want = ["".join(solo.stream_text(p, max_new_tokens=max_new_tokens)) for p in PROMPTS]
+    assert batch.generate_many(PROMPTS, max_new_tokens=max_new_tokens) == want
+
+
 def test_32_concurrent_streams_each_equal_its_solo_run(engines):
     batch, solo = engines
     prompts = [PROMPTS[i % len(PROMPTS)] + str(i) for i in range(32)]

@@ -1,0 +1,94 @@
+"""``paged-serve``: an OpenAI-compatible HTTP server over the batching engine (runtime only: a
+deploy box needs no compiler once the artifact exists)."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+from pathlib import Path
+
+from paged_decode.runtime.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_FRACTION = 0.25  # of physical memory, the default KV pool's ceiling
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None, allow_remote: bool) -> None:
+    """A server reachable from other machines needs an API key, or an explicit opt-out."""
+    if not is_loopback(host) and api_key is None and not allow_remote:
+        raise ConfigError(f"--host {host} is reachable from other machines and no --api-key is "
+                          "set: give --api-key KEY (or PAGED_DECODE_API_KEY), or --allow-remote "
+                          "to serve without one")
+
+
+def default_num_blocks(artifact, max_running: int) -> int:
+    """Blocks for ``max_running`` full-length sequences, at most DEFAULT_KV_FRACTION of the
+    machine's memory (and never fewer than one full-length sequence)."""
+    m = artifact.manifest
+    per_block = (2 * m.n_layers * m.n_kv_heads * m.block_size * m.head_dim
+                 * (4 if m.cache_dtype == "float32" else 2))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ceiling = int(memory * DEFAULT_KV_FRACTION) // per_block
+    want = m.max_blocks_cap * max_running
+    blocks = max(min(want, ceiling), m.max_blocks_cap)
+    if blocks < want:
+        log.warning("KV pool: %d blocks (%.2f GB), room for %.1f full-length sequences of %d "
+                    "running; set --kv-cache-gb to change it", blocks, blocks * per_block / 1e9,
+                    blocks / m.max_blocks_cap, max_running)
+    return blocks
+
+
+def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | None,
+                max_running: int | None, max_waiting: int, prefill_budget: int,
+                chat_template: str | None):
+    """The batching engine for a server (pool sized as :func:`default_num_blocks` says, unless
+    ``kv_cache_gb``), with the chat template replaced when one is given."""
+    from paged_decode.runtime.artifact import load_artifact
+    from paged_decode.runtime.batch_engine import BatchEngine
+
+    artifact = load_artifact(artifact_dir)
+    rows = max(artifact.manifest.batch_buckets, default=1)
+    running = max_running or rows
+    pool = ({"memory_budget_bytes": int(kv_cache_gb * 1e9)} if kv_cache_gb is not None
+            else {"num_blocks": default_num_blocks(artifact, running)})
+    engine = BatchEngine.load(artifact_dir, weights_dir, max_running=running,
+                              max_waiting=max_waiting, prefill_budget=prefill_budget, **pool)
+    if chat_template is not None:
+        try:
+            engine.tokenizer.set_chat_template(Path(chat_template).read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            engine.close()
+            raise ConfigError(f"--chat-template {chat_template}: cannot read it ({e})") from e
+    return engine
+
+
+def run_server(app, host: str, port: int, *, shutdown_timeout: float,
+               log_level: str = "info") -> None:
+    """Serve until SIGINT / SIGTERM: stop accepting, let running requests finish for up to
+    ``shutdown_timeout`` seconds, cancel the rest, close the engine, return."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+    server = uvicorn.Server(config)
+    # uvicorn raises the signal it caught again once it has shut down; a no-op handler in
+    # place of the default makes that a normal return (exit status 0) instead of a kill
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

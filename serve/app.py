@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP API over one :class:`~paged_decode.runtime.batch_engine.BatchEngine`.
+
+The model runs on the engine's own thread; a handler submits its request (``submit_n``) and
+reads the pieces back through an ``asyncio.Queue`` that the engine's thread fills with
+``call_soon_threadsafe``, so the event loop never waits for a decode step.  A client that goes
+away cancels its request (its KV blocks are freed at the next step).  The server holds no state
+beyond the engine: any number of replicas can stand behind a load balancer (docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from paged_decode.runtime.errors import (CapacityError, GrammarError, InputError,
+                                         PagedDecodeError, QueueFullError)
+from paged_decode.runtime.sampling import SamplingParams
+
+from .metrics import Metrics
+from .protocol import APIError, ChatRequest, CompletionRequest, _Sampling, param_of
+from .render import Choice, render_chunk, render_response
+
+RETRY_AFTER_S = 1
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(engine, model_name: str, *, api_key: str | None = None) -> FastAPI:
+    """The app serving ``engine`` as the model ``model_name``.  With ``api_key`` every /v1
+    route needs ``Authorization: Bearer <api_key>``; /health and /metrics stay open."""
+    app = FastAPI(title="paged-decode", version="1")
+    server = _Server(engine, model_name, api_key)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return server.error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors() or [{"loc": ("body",), "msg": "invalid body"}]
+        # of a union's alternatives, the error that went deepest into the value says most
+        first = max(errors, key=lambda e: sum(isinstance(p, int) for p in e.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            return server.error_response(request, APIError(
+                400, f"the request body is not valid JSON ({first.get('msg')})"))
+        param = param_of(tuple(first.get("loc", ("body",))))
+        return server.error_response(request, APIError(400, f"{param}: {first.get('msg')}",
+                                                       param))
+
+    @app.get("/health")
+    async def health():
+        alive = engine._thread.is_alive() and not engine._closed
+        return JSONResponse({"status": "ok" if alive else "stopped"},
+                            status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.authorize(request)
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": server.started,
+            "owned_by": "paged-decode", "max_model_len": engine.artifact.max_tokens}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.authorize(request)
+        prompts = server.completion_prompts(body)
+        return await server.generate(request, body, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        server.authorize(request)
+        prompts = [server.chat_prompt(body)]
+        return await server.generate(request, body, prompts, chat=True)
+
+    return app
+
+
+class _Server:
+    """What the routes share: the engine, the served name, the metrics."""
+
+    def __init__(self, engine, model_name: str, api_key: str | None):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.metrics = Metrics(engine)
+        self.started = int(time.time())
+
+    # -- checks -------------------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           kind="authentication_error")
+
+    def check_common(self, body: _Sampling) -> None:
+        if body.model != self.model_name:
+            raise APIError(400, f"the model '{body.model}' is not served here; this server "
+                           f"serves '{self.model_name}' (GET /v1/models)", "model")
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, f"{bad[0]} is not supported by this server; leave it out",
+                           bad[0])
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        self.check_common(body)
+        p = body.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p:
+            raise APIError(400, "prompt is empty: pass a string or token ids", "prompt")
+        tok = self.engine.tokenizer
+        try:
+            return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
+        except InputError as e:
+            raise APIError(400, f"prompt: {e}", "prompt") from e
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        self.check_common(body)
+        tok = self.engine.tokenizer
+        if tok.chat_template is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions, or "
+                           "start the server with --chat-template FILE", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            return tok.encode(tok.apply_chat_template(messages), add_bos=False)
+        except InputError as e:
+            raise APIError(400, f"messages: {e}", "messages") from e
+
+    # -- one request --------------------------------------------------------------------------
+    async def generate(self, request: Request, body: _Sampling, prompts: list[list[int]],
+                       chat: bool):
+        job = await self._job(body, prompts, chat)
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = self._submit(job, queue)
+        endpoint = request.url.path
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        self.metrics.requests.labels(endpoint, "200").inc()
+        choices = [Choice(i) for i in range(len(streams))]
+        ids = {id(s): i for i, s in enumerate(streams)}
+        if body.stream:
+            return StreamingResponse(
+                self._sse(job, streams, ids, choices, queue),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        await self._collect(request, streams, ids, choices, queue)
+        failed = next((s.error for s in streams if s.error is not None), None)
+        if failed is not None:
+            raise APIError(500, f"the generation failed: {type(failed).__name__}: {failed}",
+                           kind="server_error")
+        return render_response(job, choices, self.engine.tokenizer)
+
+    async def _job(self, body: _Sampling, prompts: list[list[int]], chat: bool) -> dict:
+        if isinstance(body, ChatRequest):
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            top = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            max_tokens, top = body.max_tokens, body.logprobs
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop: every stop string must be non-empty", "stop")
+        try:
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                                      top_k=max(body.top_k, 0), seed=body.seed)
+        except InputError as e:
+            raise APIError(400, str(e)) from e
+        return {"chat": chat, "model": self.model_name, "n": body.n, "prompts": prompts,
+                "max_tokens": [self._max_tokens(p, max_tokens, chat) for p in prompts],
+                "sampling": sampling, "stop": stop, "top_logprobs": top,
+                "grammar": await self._grammar(body.response_format),
+                "include_usage": bool(body.stream_options and body.stream_options.include_usage),
+                "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
+                "created": int(time.time())}
+
+    def _max_tokens(self, prompt: list[int], asked: int | None, chat: bool) -> int:
+        cap = self.engine.artifact.max_tokens
+        where = "messages" if chat else "prompt"
+        if len(prompt) > cap:
+            raise APIError(400, f"{where}: {len(prompt)} tokens, and this model's context is "
+                           f"{cap} tokens; shorten it", where)
+        room = cap - len(prompt) + 1  # the last generated token needs no KV slot
+        if asked is None:
+            return room
+        if asked > room:
+            field = "max_completion_tokens" if chat else "max_tokens"
+            raise APIError(400, f"{field}: {asked} tokens after a {len(prompt)}-token "
+                           f"{where} exceed this model's context of {cap} tokens; at most "
+                           f"{room} fit", field)
+        return asked
+
+    async def _grammar(self, fmt):
+        if fmt is None or fmt.type == "text":
+            return None
+        schema = None
+        if fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format.json_schema.schema is required for "
+                               "type json_schema", "response_format.json_schema.schema")
+            schema = fmt.json_schema.schema_
+        compiler = self.engine.grammars
+        try:  # llguidance builds grammars without the GIL: off the event loop
+            return await asyncio.to_thread(compiler.json_schema, schema)
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", "response_format") from e
+
+    def _submit(self, job: dict, queue: asyncio.Queue) -> list:
+        loop = asyncio.get_running_loop()
+
+        def listener(stream, delta):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (stream, delta))
+            except RuntimeError:  # the loop closed under a request cut by shutdown
+                pass
+
+        grammar = job["grammar"]  # copied before the first submission can advance it
+        grammars = [grammar] + [None if grammar is None else grammar.copy()
+                                for _ in job["prompts"][1:]]
+        streams: list = []
+        try:
+            for i, ids in enumerate(job["prompts"]):
+                streams += self.engine.submit_n(
+                    ids, job["n"], max_new_tokens=job["max_tokens"][i],
+                    sampling=job["sampling"], stop=job["stop"],
+                    top_logprobs=job["top_logprobs"], constraint=grammars[i],
+                    listener=listener)
+        except QueueFullError as e:
+            self._cancel(streams)
+            raise APIError(429, str(e), kind="rate_limit_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except CapacityError as e:
+            self._cancel(streams)
+            raise APIError(400, str(e), "max_tokens") from e
+        except PagedDecodeError as e:  # a token id outside the vocabulary, say
+            self._cancel(streams)
+            raise APIError(400, str(e), "messages" if job["chat"] else "prompt") from e
+        return streams
+
+    @staticmethod
+    def _cancel(streams) -> None:
+        for s in streams:
+            if s.finish_reason is None:
+                s.cancel()
+
+    def _ended(self, stream) -> None:
+        self.metrics.observe(stream.request)
+
+    async def _collect(self, request: Request, streams, ids, choices, queue) -> None:
+        """Wait for every stream of a non-streaming request; a client gone cancels them."""
+        open_ = len(streams)
+        try:
+            while open_:
+                try:
+                    stream, delta = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                choices[ids[id(stream)]].add(stream, delta)
+                if delta is None:
+                    open_ -= 1
+                    self._ended(stream)
+        finally:
+            self._cancel(streams)
+
+    async def _sse(self, job, streams, ids, choices, queue) -> AsyncIterator[str]:
+        """Server-sent events: a role chunk (chat), content chunks, a finish chunk per choice,
+        the usage chunk if asked, ``data: [DONE]``."""
+        tok = self.engine.tokenizer
+        open_ = len(streams)
+        try:
+            if job["chat"]:
+                for c in choices:
+                    yield _event(render_chunk(job, c, role=True, tokenizer=tok))
+            while open_:
+                stream, delta = await queue.get()
+                choice = choices[ids[id(stream)]]
+                choice.add(stream, delta)
+                if delta is None:
+                    open_ -= 1
+                    self._ended(stream)
+                    if stream.error is not None:
+                        yield _event(APIError(500, f"the generation failed: "
+                                              f"{type(stream.error).__name__}: {stream.error}",
+                                              kind="server_error").body())
+                        continue
+                yield _event(render_chunk(job, choice, delta=delta, tokenizer=tok))
+            if job["include_usage"]:
+                yield _event(render_chunk(job, None, usage_of=choices, tokenizer=tok))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._cancel(streams)
+
+    def error_response(self, request: Request, exc: APIError) -> JSONResponse:
+        if request.url.path.startswith("/v1/"):
+            self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,590 @@
+"""paged-serve through the official ``openai`` client: a server on 127.0.0.1 per model (uvicorn
+on a thread of this process, so the tests can reach the engine), and the command itself in a
+subprocess for the signal and bind checks.  Every request loop is bounded."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from paged_decode.cli import serve_cmd
+from paged_decode.runtime.batch_engine import BatchEngine
+from paged_decode.runtime.engine import Engine
+from paged_decode.runtime.kv_pool import PagedKVCache
+from paged_decode.runtime.sampling import SamplingParams
+from paged_decode.runtime.session import PagedDecodeSession
+from paged_decode.serve.app import create_app
+
+from .conftest import BUCKETS, CHAT_TEMPLATE, LOGIT_TOL
+
+OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
+WAIT_S = 30  # the most any bounded wait below lasts
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+          "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                         "ok": {"type": "boolean"}}}
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1 (a free port) from a thread of its own."""
+
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + WAIT_S
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        kwargs.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=WAIT_S, **kwargs)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(WAIT_S)
+
+
+class Served:
+    """A model behind a live server, with the engine and a solo reference engine."""
+
+    def __init__(self, prepared, name: str, chat_template: str | None = None, **engine_opts):
+        self.name = name
+        api_key = engine_opts.pop("api_key", None)
+        self.engine = BatchEngine.load(prepared.artifact_dir, prepared.weights_dir, **engine_opts)
+        self.solo = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+        if chat_template is not None:
+            for tok in (self.engine.tokenizer, self.solo.tokenizer):
+                tok.set_chat_template(chat_template)
+        self.app = create_app(self.engine, name, api_key=api_key)
+        self.live = LiveServer(self.app)
+        self.client = self.live.client()
+
+    def close(self) -> None:
+        self.live.close()
+        self.engine.close()
+
+    def solo_text(self, prompt: str, max_tokens: int, chat: bool = False) -> str:
+        return "".join(self.solo.stream_text(prompt, chat=chat, max_new_tokens=max_tokens))
+
+    def all_free(self) -> bool:
+        """Nothing running, and every block free once the prefix cache lets go of its own."""
+        sched = self.engine.scheduler
+        deadline = time.monotonic() + WAIT_S
+        while self.engine.stats()["running"] or self.engine.stats()["waiting"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        sched.cache.evict(self.engine.pool.num_blocks)
+        sched.pool.allocator.check_invariants()
+        return self.engine.pool.num_free == self.engine.pool.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny(build):
+    served = Served(build("tiny", **OPTS), "tiny", chat_template=CHAT_TEMPLATE)
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def llama(build, llama_ckpt):
+    served = Served(build(llama_ckpt.path, **OPTS), "random-llama")
+    yield served
+    served.close()
+
+
+@pytest.fixture(params=["tiny", "llama"])
+def model(request) -> Served:
+    return request.getfixturevalue(request.param)
+
+
+# -- the API as clients use it -----------------------------------------------------------------
+
+def test_models_lists_the_served_model(model):
+    listed = model.client.models.list()
+    assert [m.id for m in listed.data] == [model.name]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_greedy_output_equals_the_model_run_alone(model, chat):
+    prompts = ["hello", "the quick brown fox"]
+    for prompt in prompts:
+        want = model.solo_text(prompt, 12, chat=chat)
+        if chat:
+            r = model.client.chat.completions.create(
+                model=model.name, messages=[{"role": "user", "content": prompt}],
+                max_tokens=12, temperature=0)
+            got = r.choices[0].message.content
+        else:
+            r = model.client.completions.create(model=model.name, prompt=prompt, max_tokens=12,
+                                                temperature=0)
+            got = r.choices[0].text
+        assert got == want
+        assert r.usage.prompt_tokens == len(model.solo.encode_prompt(prompt, chat))
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == 12
+        else:  # the model's end-of-sequence id, counted, not shown
+            assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 12
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_several_prompts_in_one_completion_request(tiny):
+    ids = tiny.solo.encode_prompt("paged")
+    r = tiny.client.completions.create(model="tiny", prompt=["hello", "fox"], max_tokens=6,
+                                       temperature=0, n=2)
+    texts = {c.index: c.text for c in r.choices}
+    assert texts == {0: tiny.solo_text("hello", 6), 1: tiny.solo_text("hello", 6),
+                     2: tiny.solo_text("fox", 6), 3: tiny.solo_text("fox", 6)}
+    by_ids = tiny.client.completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                            temperature=0)
+    assert by_ids.choices[0].text == tiny.solo_text("paged", 6)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_the_whole_response(model, chat):
+    kwargs = dict(model=model.name, max_tokens=10, temperature=0,
+                  stream_options={"include_usage": True})
+    if chat:
+        kwargs["messages"] = [{"role": "user", "content": "paged"}]
+        whole = model.client.chat.completions.create(**kwargs)
+        chunks = list(model.client.chat.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        want = whole.choices[0].message.content
+    else:
+        kwargs["prompt"] = "paged"
+        whole = model.client.completions.create(**kwargs)
+        chunks = list(model.client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        want = whole.choices[0].text
+    assert text == want
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finals[-1] == whole.choices[0].finish_reason and set(finals[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_the_event_stream_ends_with_done(tiny):
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "a", "max_tokens": 5, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in resp.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+
+
+def test_n_choices_with_a_seed_are_reproducible_and_distinct(model):
+    kwargs = dict(model=model.name, prompt="hello", max_tokens=8, temperature=1.0, seed=7, n=3)
+    first = model.client.completions.create(**kwargs)
+    again = model.client.completions.create(**kwargs)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert len(set(texts)) > 1  # continuation i samples with seed + i
+    other = model.client.completions.create(**{**kwargs, "seed": 8, "n": 1})
+    assert other.choices[0].text == texts[1]  # continuation 1 of seed 7 samples with seed 8
+    if all(c.finish_reason == "length" for c in first.choices):
+        assert first.usage.completion_tokens == 3 * 8
+
+
+def test_a_stop_string_cuts_the_text_before_it(model):
+    full = model.solo_text("hello", 16)
+    stop = full[4:6]
+    r = model.client.completions.create(model=model.name, prompt="hello", max_tokens=16,
+                                        temperature=0, stop=[stop, "\x00never"])
+    assert r.choices[0].text == full[:full.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_match_the_models_own_distribution(tiny):
+    """The first token's log-probabilities against a log-softmax (float64 numpy) of the logits
+    an independent B = 1 session computes for the same prompt."""
+    r = tiny.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=4)
+    ids = tiny.solo.encode_prompt("hi", chat=True)
+    art = tiny.solo.artifact
+    session = PagedDecodeSession(art, tiny.solo.weights, PagedKVCache.for_artifact(art))
+    logits = session.prefill(session.pool.new_sequence(), ids).astype(np.float64)
+    logp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+    first = r.choices[0].logprobs.content[0]
+    best = int(np.argmax(logp))
+    assert abs(first.logprob - logp[best]) < LOGIT_TOL["float32"]
+    assert first.token == tiny.engine.tokenizer.decode([best])
+    order = np.argsort(-logp, kind="stable")[:4]
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(logp[order].tolist(),
+                                                                    abs=LOGIT_TOL["float32"])
+    assert len(r.choices[0].logprobs.content) == 3
+
+
+def test_completion_logprobs_have_the_legacy_layout(tiny):
+    r = tiny.client.completions.create(model="tiny", prompt="hello", max_tokens=4,
+                                       temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+
+
+@pytest.mark.parametrize("fmt", ["json_schema", "json_object"])
+def test_structured_output_parses_and_validates(model, fmt):
+    if fmt == "json_schema":
+        response_format = {"type": "json_schema",
+                           "json_schema": {"name": "answer", "schema": SCHEMA}}
+    else:
+        response_format = {"type": "json_object"}
+    finished = 0
+    for seed in range(4):
+        r = model.client.completions.create(
+            model=model.name, prompt="x", max_tokens=60, temperature=1.0, seed=seed,
+            extra_body={"response_format": response_format})
+        text = r.choices[0].text
+        if fmt == "json_object" and r.choices[0].finish_reason == "length":
+            assert text.startswith("{")  # a random model's string can outrun max_tokens
+            continue
+        assert r.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA if fmt == "json_schema"
+                            else {"type": "object"})
+        finished += 1
+    assert finished >= 1
+
+
+def test_a_constrained_request_leaves_others_unchanged(tiny):
+    """An unconstrained greedy request decoded in the same batches as constrained ones."""
+    want = tiny.solo_text("the quick brown fox", 20)
+    got = {}
+
+    def constrained(i):
+        got[i] = tiny.client.completions.create(
+            model="tiny", prompt="x", max_tokens=60, temperature=0.7, seed=i,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                "name": "a", "schema": SCHEMA}}}).choices[0].text
+
+    threads = [threading.Thread(target=constrained, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    plain = tiny.client.completions.create(model="tiny", prompt="the quick brown fox",
+                                           max_tokens=20, temperature=0)
+    for t in threads:
+        t.join(WAIT_S)
+    assert plain.choices[0].text == want
+    assert all(jsonschema.validate(json.loads(got[i]), SCHEMA) is None for i in range(4))
+
+
+# -- many clients ------------------------------------------------------------------------------
+
+def test_32_concurrent_streams_each_equal_their_solo_run(model):
+    prompts = [f"hello {i}" if i % 2 else f"the fox {i}" for i in range(32)]
+    want = [model.solo_text(p, 10) for p in prompts]
+    got: list = [None] * 32
+    barrier = threading.Barrier(32)
+
+    def client(i):
+        barrier.wait(WAIT_S)
+        stream = model.client.completions.create(model=model.name, prompt=prompts[i],
+                                                 max_tokens=10, temperature=0, stream=True)
+        got[i] = "".join(c.choices[0].text for c in stream if c.choices)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # the server answers while the streams decode
+        assert model.client.with_options(timeout=5).models.list().data
+        threads[0].join(0.05)
+    for t in threads:
+        t.join(WAIT_S)
+    assert got == want
+    assert model.all_free()
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def slow_steps(tiny, monkeypatch):
+    """Each engine step takes at least 20 ms, so a request outlives a client's first chunk."""
+    session = tiny.engine.scheduler.session
+    real = session.step
+
+    def slow(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(session, "step", slow)
+
+
+def _recorded_streams(engine, monkeypatch) -> list:
+    seen: list = []
+    real = engine.submit_n
+
+    def recording(*args, **kwargs):
+        streams = real(*args, **kwargs)
+        seen.extend(streams)
+        return streams
+
+    monkeypatch.setattr(engine, "submit_n", recording)
+    return seen
+
+
+def test_a_client_that_disconnects_cancels_its_request(tiny, slow_steps, monkeypatch):
+    seen = _recorded_streams(tiny.engine, monkeypatch)
+    with tiny.client.completions.create(model="tiny", prompt="hello", max_tokens=55,
+                                        temperature=0, stream=True) as stream:
+        next(iter(stream))
+    assert tiny.all_free()
+    assert seen[0].finish_reason == "cancelled" and len(seen[0].tokens) < 55
+
+
+def test_a_full_queue_answers_429_with_retry_after(build):
+    served = Served(build("tiny", **OPTS), "tiny", max_running=1, max_waiting=1)
+    gate = threading.Event()
+    real = served.engine.scheduler.step
+    served.engine.scheduler.step = lambda: (gate.wait(WAIT_S), real())[1]
+    try:
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(
+            served.client.completions.create(model="tiny", prompt="a", max_tokens=3)))
+            for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + WAIT_S
+        while served.engine.stats()["running"] + served.engine.stats()["waiting"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as err:
+            served.client.completions.create(model="tiny", prompt="a", max_tokens=3)
+        assert err.value.response.headers["retry-after"] == "1"
+        gate.set()
+        for t in threads:
+            t.join(WAIT_S)
+        assert len(results) == 2 and all(r.choices[0].finish_reason == "length"
+                                          for r in results)
+    finally:
+        gate.set()
+        served.close()
+
+
+BAD = [  # (body changes, the param the error names)
+    ({"model": "nope"}, "model"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 500}, "max_tokens"),
+    ({"prompt": "hello " * 80}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"stop": ["ok", 3]}, "stop[1]"),
+    ({"stop": [""]}, "stop"),
+    ({"seed": -1}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"echo": True}, "echo"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"schema": {"type": "nonsense"}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_requests_are_400_naming_the_field(tiny, change, param):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, **change}
+    with pytest.raises(openai.BadRequestError) as err:
+        tiny.client.completions.create(**{k: v for k, v in body.items()
+                                          if k in ("model", "prompt")},
+                                       extra_body={k: v for k, v in body.items()
+                                                   if k not in ("model", "prompt")})
+    error = err.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"]
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([], "messages"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": "hi " * 40}], "messages"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(tiny, messages, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        tiny.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+    assert err.value.body["param"] == param, err.value.body
+
+
+def test_bad_json_is_a_400_with_an_openai_error_body(tiny):
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions", '{"model": "tiny", "prompt": ',
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    assert resp.status == 400 and "not valid JSON" in body["error"]["message"]
+
+
+def test_chat_without_a_template_is_a_400(build):
+    served = Served(build("tiny", **OPTS), "tiny")  # the tiny preset ships no chat template
+    try:
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            served.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        served.close()
+
+
+def test_a_failing_request_is_a_500_and_the_others_run_on(tiny, monkeypatch):
+    class Broken:
+        done = False
+
+        def allowed(self):
+            raise RuntimeError("simulated grammar failure")
+
+        def copy(self):
+            return Broken()
+
+    monkeypatch.setattr(type(tiny.engine.grammars), "json_schema", lambda self, schema: Broken())
+    want = tiny.solo_text("the quick brown fox", 12)
+    outcome = {}
+
+    def failing():
+        try:
+            tiny.client.completions.create(model="tiny", prompt="x", max_tokens=20,
+                                           extra_body={"response_format":
+                                                       {"type": "json_object"}})
+        except openai.InternalServerError as e:
+            outcome["error"] = e.body
+
+    thread = threading.Thread(target=failing)
+    thread.start()
+    r = tiny.client.completions.create(model="tiny", prompt="the quick brown fox",
+                                       max_tokens=12, temperature=0)
+    thread.join(WAIT_S)
+    assert "simulated grammar failure" in outcome["error"]["message"]
+    assert r.choices[0].text == want
+    assert tiny.all_free()
+
+
+def test_an_api_key_guards_v1_but_not_health(build):
+    served = Served(build("tiny", **OPTS), "tiny", api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client.models.list()
+        assert served.live.client(api_key="s3cret").models.list().data[0].id == "tiny"
+        conn = http.client.HTTPConnection("127.0.0.1", served.live.port, timeout=WAIT_S)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        served.close()
+
+
+def test_metrics_count_requests_tokens_and_latencies(tiny):
+    def scrape() -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+        conn.request("GET", "/metrics")
+        lines = conn.getresponse().read().decode().splitlines()
+        return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in lines
+                                          if ln and not ln.startswith("#"))}
+
+    before = scrape()
+    tiny.client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0,
+                                   n=2)
+    with pytest.raises(openai.BadRequestError):
+        tiny.client.completions.create(model="tiny", prompt="hello", max_tokens=0)
+    after = scrape()
+    ok = 'paged_decode_requests_total{endpoint="/v1/completions",status="200"}'
+    bad = 'paged_decode_requests_total{endpoint="/v1/completions",status="400"}'
+    assert after[ok] - before.get(ok, 0) == 1 and after[bad] - before.get(bad, 0) == 1
+    assert after["paged_decode_generation_tokens_total"] - \
+        before["paged_decode_generation_tokens_total"] == 12
+    ttft = "paged_decode_time_to_first_token_seconds_count"
+    itl = "paged_decode_inter_token_latency_seconds_count"
+    assert after[ttft] - before[ttft] == 2 and after[itl] - before[itl] == 10
+    for gauge in ("running_sequences", "waiting_sequences", "kv_blocks_used", "kv_blocks_total",
+                  "prefix_cache_hits_total"):
+        assert f"paged_decode_{gauge}" in after
+    assert after["paged_decode_kv_blocks_total"] == tiny.engine.pool.num_blocks
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def test_serve_refuses_a_remote_address_without_a_key(tmp_path):
+    result = CliRunner().invoke(serve_cmd, ["--model", "tiny", "--host", "0.0.0.0",
+                                            "--artifacts", str(tmp_path)])
+    assert result.exit_code == 1 and "--api-key" in result.output
+    assert not any(tmp_path.iterdir())  # refused before any compile
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("grace", ["0", "30"])
+def test_sigterm_during_a_stream_exits_cleanly(build, artifact_root, grace):
+    build("tiny", **OPTS)  # the command below finds it cached
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from paged_decode.cli import serve_cmd; serve_cmd()",
+           "--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+           str(artifact_root), "--port", str(port), "--shutdown-timeout", grace,
+           "--chat-template", str(_template_file(artifact_root))]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=WAIT_S)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.2)
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+            stream=True)
+        pieces = iter(stream)
+        next(pieces)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            received = [c for c in pieces]
+        except openai.APIError:  # cut by the shutdown: allowed, the process must still exit
+            received = None
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Traceback" not in out, err
+    if grace == "30":  # time to finish: the stream ran to its end
+        assert received is not None and received[-1].choices[0].finish_reason == "length"
+
+
+def _template_file(root) -> str:
+    path = root / "chat_template.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
