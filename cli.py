@@ -279,6 +279,8 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
     try:
         name = served_model_name or prepared.manifest.name
         app = create_app(engine, name, api_key=api_key)
+        _progress(f"artifact: {prepared.artifact_dir}")
+        _progress(f"weights: {prepared.weights_dir}")
         _progress(f"serving {name} on http://{host}:{port}/v1 ({engine.pool.num_blocks} KV "
                   f"blocks, {engine.scheduler.max_running} running at most)")
         run_server(app, host, port, shutdown_timeout=shutdown_timeout, log_level=log_level)

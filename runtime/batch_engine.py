@@ -217,6 +217,11 @@ class BatchEngine:
                                                  self.artifact.manifest.vocab_size)
             return self._grammars
 
+    @property
+    def alive(self) -> bool:
+        """The engine takes and runs requests (not closed, its thread running)."""
+        return not self._closed and self._thread.is_alive()
+
     def stats(self) -> dict:
         """Counters for monitoring, readable from any thread (values may be one step old)."""
         sched, cache = self.scheduler, self.scheduler.cache

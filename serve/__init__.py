@@ -74,6 +74,20 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
     return engine
 
 
+def build_app(artifact_dir, weights_dir, model_name: str, *, api_key: str | None = None,
+              kv_cache_gb: float | None = None, max_running: int | None = None,
+              max_waiting: int = 64, prefill_budget: int = 512,
+              chat_template: str | None = None):
+    """The ASGI app of one replica over a compiled artifact (what ``paged-serve`` runs), for
+    hosting it elsewhere: ``uvicorn``'s factory mode, or a Ray Serve ingress builder."""
+    from .app import create_app
+
+    engine = load_engine(Path(artifact_dir), Path(weights_dir), kv_cache_gb=kv_cache_gb,
+                         max_running=max_running, max_waiting=max_waiting,
+                         prefill_budget=prefill_budget, chat_template=chat_template)
+    return create_app(engine, model_name, api_key=api_key, owns_engine=True)
+
+
 def run_server(app, host: str, port: int, *, shutdown_timeout: float,
                log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM: stop accepting, let running requests finish for up to

@@ -10,6 +10,7 @@ beyond the engine: any number of replicas can stand behind a load balancer (docs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -24,17 +25,26 @@ from paged_decode.runtime.errors import (CapacityError, GrammarError, InputError
 from paged_decode.runtime.sampling import SamplingParams
 
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, _Sampling, param_of
+from .protocol import APIError, ChatRequest, CompletionRequest, SamplingBody, param_of
 from .render import Choice, render_chunk, render_response
 
 RETRY_AFTER_S = 1
 _DISCONNECT_POLL_S = 0.5
 
 
-def create_app(engine, model_name: str, *, api_key: str | None = None) -> FastAPI:
+def create_app(engine, model_name: str, *, api_key: str | None = None,
+               owns_engine: bool = False) -> FastAPI:
     """The app serving ``engine`` as the model ``model_name``.  With ``api_key`` every /v1
-    route needs ``Authorization: Bearer <api_key>``; /health and /metrics stay open."""
-    app = FastAPI(title="paged-decode", version="1")
+    route needs ``Authorization: Bearer <api_key>``; /health and /metrics stay open.  With
+    ``owns_engine`` the app closes the engine when it shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        if owns_engine:
+            engine.close()
+
+    app = FastAPI(title="paged-decode", version="1", lifespan=lifespan)
     server = _Server(engine, model_name, api_key)
     app.state.server = server
 
@@ -56,7 +66,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None) -> FastAP
 
     @app.get("/health")
     async def health():
-        alive = engine._thread.is_alive() and not engine._closed
+        alive = engine.alive
         return JSONResponse({"status": "ok" if alive else "stopped"},
                             status_code=200 if alive else 503)
 
@@ -103,7 +113,7 @@ class _Server:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            kind="authentication_error")
 
-    def check_common(self, body: _Sampling) -> None:
+    def check_common(self, body: SamplingBody) -> None:
         if body.model != self.model_name:
             raise APIError(400, f"the model '{body.model}' is not served here; this server "
                            f"serves '{self.model_name}' (GET /v1/models)", "model")
@@ -138,17 +148,17 @@ class _Server:
             raise APIError(400, f"messages: {e}", "messages") from e
 
     # -- one request --------------------------------------------------------------------------
-    async def generate(self, request: Request, body: _Sampling, prompts: list[list[int]],
+    async def generate(self, request: Request, body: SamplingBody, prompts: list[list[int]],
                        chat: bool):
         job = await self._job(body, prompts, chat)
         queue: asyncio.Queue = asyncio.Queue()
         streams = self._submit(job, queue)
-        endpoint = request.url.path
+        count = self.metrics.requests.labels(request.url.path, "200").inc
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
-        self.metrics.requests.labels(endpoint, "200").inc()
         choices = [Choice(i) for i in range(len(streams))]
         ids = {id(s): i for i, s in enumerate(streams)}
-        if body.stream:
+        if body.stream:  # the status is sent with the first event, whatever follows
+            count()
             return StreamingResponse(
                 self._sse(job, streams, ids, choices, queue),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -157,9 +167,10 @@ class _Server:
         if failed is not None:
             raise APIError(500, f"the generation failed: {type(failed).__name__}: {failed}",
                            kind="server_error")
+        count()
         return render_response(job, choices, self.engine.tokenizer)
 
-    async def _job(self, body: _Sampling, prompts: list[list[int]], chat: bool) -> dict:
+    async def _job(self, body: SamplingBody, prompts: list[list[int]], chat: bool) -> dict:
         if isinstance(body, ChatRequest):
             max_tokens = body.max_completion_tokens or body.max_tokens
             top = (body.top_logprobs or 0) if body.logprobs else None

@@ -49,7 +49,7 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(_Body):
+class SamplingBody(_Body):
     """Fields both endpoints share."""
 
     model: str
@@ -74,7 +74,7 @@ class _Sampling(_Body):
         return out + (["logit_bias"] if self.logit_bias else [])
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
@@ -103,7 +103,7 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False

@@ -588,3 +588,20 @@ def _template_file(root) -> str:
     path = root / "chat_template.jinja"
     path.write_text(CHAT_TEMPLATE)
     return path
+
+
+def test_the_load_generator_measures_a_live_server(tiny):
+    from types import SimpleNamespace
+
+    from paged_decode.bench.serve import markdown, measure
+
+    server = SimpleNamespace(name="paged-serve", url=tiny.live.url, model="tiny",
+                             probe="/health")
+    result = measure([server], [1, 3], per_client=2, max_tokens=5, rounds=1, say=lambda m: None)
+    for c in (1, 3):
+        s = result["paged-serve"][c]
+        assert s["tokens_per_s"] > 0 and s["ttft_ms_p50"] > 0 and s["itl_ms_p99"] > 0
+    table = markdown(result, {"model": "tiny", "paged_args": "", "max_tokens": 5,
+                              "per_client": 2, "rounds": 1, "cpu": "test"})
+    assert "| paged-serve | 3 |" in table
+    assert tiny.all_free()
