@@ -87,7 +87,9 @@ def paged_server(model: str | None, port: int, out: Path, max_context: int,
 def llama_cpp_server(gguf: Path, port: int, out: Path, n_ctx: int, threads: int) -> Server:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host",
            "127.0.0.1", "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads",
-           str(threads), "--n_threads_batch", str(threads), "--model_alias", "gguf"]
+           str(threads), "--n_threads_batch", str(threads), "--model_alias", "gguf",
+           # its default ends a running stream whenever another request arrives
+           "--interrupt_requests", "False"]
     return Server("llama.cpp", cmd, port, "gguf", "/v1/models", out / "llama-cpp.log")
 
 
@@ -198,8 +200,10 @@ def markdown(result: dict, meta: dict) -> str:
         (a, ra), (b, rb) = result.items()
         lines += ["", f"| clients | {a} / {b} tokens/s | {a} / {b} ITL p99 |", "|---|---|---|"]
         for c in ra:
+            itl = (ra[c]["itl_ms_p99"] / rb[c]["itl_ms_p99"]
+                   if ra[c]["itl_ms_p99"] and rb[c]["itl_ms_p99"] else None)
             lines.append(f"| {c} | {ra[c]['tokens_per_s'] / rb[c]['tokens_per_s']:.2f} | "
-                         f"{ra[c]['itl_ms_p99'] / rb[c]['itl_ms_p99']:.2f} |")
+                         f"{'-' if itl is None else f'{itl:.2f}'} |")
     return "\n".join(lines)
 
 

@@ -184,7 +184,7 @@ def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir
         raise CompileError(f"cannot build {spec.config.name} for {target.name or target.kind}: "
                            f"{missing}")
     try:
-        mod = build_module(spec, manifest, kernels_for(target.kind))
+        mod = build_module(spec, manifest, kernels_for(target.kind, target.target))
         with (cuda_compile_callback(target.arch) if target.kind == "cuda"
               else contextlib.nullcontext()):
             ex = relax.build(mod, target.target, relax_pipeline=relax_pipeline(target.target),

@@ -13,7 +13,8 @@ from paged_decode.compile.kernels.cpu.attention import (MAX_PARTS, PARALLEL_MIN_
                                                     paged_attention_prefill, split_parts)
 from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
 from paged_decode.compile.kernels.cpu.gemv import gemv, gemv_swiglu, row_pairs, x_dtype
-from paged_decode.compile.kernels.cpu.linear import linear, linear_swiglu
+from paged_decode.compile.kernels.cpu.linear import TILES, linear, linear_swiglu
+from paged_decode.compile.kernels.registry import kernels_for
 from paged_decode.compile.kernels.cpu.norm import embedding, rmsnorm
 from paged_decode.compile.kernels.cpu.rope_kv import rope_kv_write_decode, rope_kv_write_prefill
 from paged_decode.compile.targets import resolve_target
@@ -270,10 +271,15 @@ def _ref_norm(x, g, eps=1e-5):
     return x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * g
 
 
+# the register tiles of AVX-512 (4 x 4) and AVX2 (2 x 2) targets
+LINEAR_TILES = sorted({t for by in TILES.values() for t in by.values()})
+
+
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
 @pytest.mark.parametrize("n", [1, 4, 7, 70, 131])  # 70, 131: several 64-token blocks
 @pytest.mark.parametrize("epilogue", ["none", "bias", "residual"])
-def test_prefill_linear(wdt, n, epilogue):
+@pytest.mark.parametrize("tile", LINEAR_TILES)
+def test_prefill_linear(wdt, n, epilogue, tile):
     N, K = 40, 72  # K not a multiple of the vector width: exercises the tail
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -283,7 +289,7 @@ def test_prefill_linear(wdt, n, epilogue):
     ref = x.astype(np.float64) @ w.astype(np.float64).T + (0 if extra is None else extra)
     y = _t(np.zeros((n, N), np.float32))
     args = [_t(x), _t(w)] + ([] if extra is None else [_t(extra)])
-    _compiled(linear, N, K, wdt, epilogue)(*args, y)
+    _compiled(linear, N, K, wdt, epilogue, tile)(*args, y)
     np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
 
 
@@ -360,13 +366,14 @@ def _ref_swiglu(xn, gate, up):
 
 @pytest.mark.parametrize("n", [1, 6, 70])
 @pytest.mark.parametrize("inter", [24, 36])
-def test_prefill_swiglu(n, inter):
+@pytest.mark.parametrize("tile", LINEAR_TILES)
+def test_prefill_swiglu(n, inter, tile):
     K = 40
     rng = np.random.default_rng(1)
     x = rng.standard_normal((n, K)).astype(np.float32)
     gate, up = rng.standard_normal((2, inter, K)).astype(np.float32)
     y = _t(np.zeros((n, inter), np.float32))
-    _compiled(linear_swiglu, inter, K, "float32")(_t(x), _t(_gate_up(gate, up)), y)
+    _compiled(linear_swiglu, inter, K, "float32", tile)(_t(x), _t(_gate_up(gate, up)), y)
     np.testing.assert_allclose(y.numpy(), _ref_swiglu(x, gate, up), atol=1e-4, rtol=1e-5)
 
 
@@ -406,3 +413,13 @@ def test_embedding_gathers_and_rejects_out_of_range_ids():
     for bad in (V, -1):
         with pytest.raises(Exception, match="out of range"):
             fn(_t(np.array([1, bad, 2], np.int32)), _t(table), x)
+
+
+@pytest.mark.parametrize("mcpu,tile", [("znver3", (2, 2)), ("haswell", (2, 2)),
+                                       ("znver4", (4, 4)), ("sapphirerapids", (4, 4))])
+def test_the_matmul_tile_follows_the_targets_vector_registers(mcpu, tile):
+    """AVX2 has 16 vector registers: a 4 x 4 tile of 16-lane accumulators would spill there."""
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    kernels = kernels_for("llvm", target)
+    assert kernels.linear.keywords["tile"] == tile
+    assert kernels.linear_swiglu.keywords["tile"] == tile

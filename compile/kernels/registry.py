@@ -41,12 +41,14 @@ class KernelSet:
 NO_DECODE_DEV = ("webgpu",)
 
 
-def kernels_for(target_kind: str) -> KernelSet:
-    """CPU kernels for llvm, thread-bound GPU kernels for every GPU target."""
+def kernels_for(target_kind: str, target=None) -> KernelSet:
+    """CPU kernels for llvm, thread-bound GPU kernels for every GPU target.  ``target`` (a
+    ``tvm.target.Target``) lets the CPU set fit its register tiles to the target's vector
+    registers (its ``mcpu``, which the artifact key carries); None means AVX-512."""
     if target_kind == "llvm":
-        from .cpu import cpu_kernels
+        from .cpu import cpu_kernels, has_avx512
 
-        return cpu_kernels()
+        return cpu_kernels(avx512=target is None or has_avx512(target))
     from .gpu import gpu_kernels
 
     if target_kind in NO_DECODE_DEV:

@@ -1,8 +1,11 @@
 """Prefill linear layers: ``y[m, c] = sum_k x[m, k] * W[c, k]``, W in its stored ``[N, K]`` layout.
 
-Tokens are tiled by 4 so every loaded weight vector is reused four times, and weight rows by 4
-so every loaded activation vector is reused four times.  Accumulation is float32 in ``VL``-lane
-vector registers, reduced once per output.  (Decode uses the GEMVs of ``gemv.py``.)
+A register tile of ``TM`` tokens by ``TN`` weight rows: every loaded weight vector is reused
+``TM`` times and every loaded activation vector ``TN`` times.  Accumulation is float32 in
+``VL``-lane vectors, reduced once per output.  The tile is the target's (``TILES``): 4 x 4 where
+AVX-512 has 32 vector registers; 2 x 2 on AVX2, whose 16 registers a 4 x 4 tile of 16-lane
+(two-register) accumulators would spill (docs/design.md).  (Decode uses the GEMVs of
+``gemv.py``.)
 
 Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
@@ -21,8 +24,15 @@ from .fastmath import fexp
 from .simd import VL, scratch_buffer
 
 
-TM = 4  # tokens per tile
 MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
+# (tokens, at most this many weight rows) per register tile, by whether the target has AVX-512
+TILES = {True: {"linear": (4, 4), "swiglu": (4, 4)},
+         False: {"linear": (2, 2), "swiglu": (2, 2)}}
+DEFAULT_TILE = TILES[True]["linear"]
+
+
+def _tile_tag(tile) -> str:
+    return "" if tuple(tile) == DEFAULT_TILE else f"_t{tile[0]}{tile[1]}"
 
 
 def _task(NT: int):
@@ -65,10 +75,11 @@ def _reduce_macro(K, wdt, TM, TN):
 
 
 @cached
-def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
-    """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n."""
+def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
+    """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n; ``tile`` = (tokens, at
+    most this many weight rows) per register tile."""
     assert epilogue in EPILOGUES
-    TN = pick_tile(N, (4, 2, 1))
+    TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
     acc_main = _reduce_macro(K, wdt, TM, TN)
     acc_tail = _reduce_macro(K, wdt, 1, TN)
 
@@ -99,15 +110,15 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
                       bias, res)
 
     func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
-    return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
+    return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")
 
 
 @cached
-def linear_swiglu(I: int, K: int, wdt: str):
+def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     """act = silu(x @ Wg.T) * (x @ Wu.T), W (2I, K) = gate and up rows in alternating runs
     (``params.gate_up_row``); act (n, I).  TN divides I and the run length, so a task's TN gate
     (or up) rows are adjacent in W."""
-    TN = pick_tile(I, (4, 2, 1))
+    TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
     assert GATE_UP_ROWS % TN == 0
     gate_row, up_row = gate_up_rows(I)
     NT = I // TN
@@ -140,4 +151,4 @@ def linear_swiglu(I: int, K: int, wdt: str):
                              up_row(co(task) * TN))
                     store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
 
-    return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")
+    return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")
