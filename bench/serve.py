@@ -222,7 +222,8 @@ def plot(result: dict, path: Path) -> None:
         cs = list(by_c)
         left.plot(cs, [by_c[c]["tokens_per_s"] for c in cs], marker="o", label=name)
         right.plot(cs, [by_c[c]["itl_ms_p99"] for c in cs], marker="o", label=name)
-    left.set(xlabel="concurrent streams", ylabel="output tokens/s", xscale="log", title="throughput")
+    left.set(xlabel="concurrent streams", ylabel="output tokens/s", xscale="log",
+             title="throughput")
     right.set(xlabel="concurrent streams", ylabel="ms", xscale="log",
               title="inter-token latency p99")
     for ax in (left, right):

@@ -56,10 +56,11 @@ class Request:
     """One generation: its prompt, limits and sampler, and what it produced so far.
 
     ``tokens``: generated ids; ``finish_reason``: None while it runs, then ``"stop"`` (a stop
-    id), ``"length"`` (``max_tokens``), ``"cancelled"`` or ``"error"``.  ``first_token_s`` / ``token_times``:
-    ``time.perf_counter()`` at its first and every token (time to first token, inter-token
-    latency).  ``top_logprobs``: None, or how many alternatives each :class:`TokenLogprob` in
-    ``logprobs`` lists; ``constraint``: a grammar the tokens must follow (:mod:`.grammar`)."""
+    id), ``"length"`` (``max_tokens``), ``"cancelled"`` or ``"error"``.  ``first_token_s`` /
+    ``token_times``: ``time.perf_counter()`` at its first and every token (time to first
+    token, inter-token latency).  ``top_logprobs``: None, or how many alternatives each
+    :class:`TokenLogprob` in ``logprobs`` lists; ``constraint``: a grammar the tokens must
+    follow (:mod:`.grammar`)."""
 
     prompt: list[int]
     max_tokens: int

@@ -12,7 +12,7 @@ from paged_decode.runtime.errors import (CapacityError, HandleError, InputError,
 from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.step import BatchDecodeSession
 
-from .conftest import BUCKETS, make_pool
+from .conftest import BUCKETS, LOGIT_TOL, make_pool
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
 
@@ -126,3 +126,30 @@ def test_a_rejected_step_changes_no_sequence(bad, load):
         session.step(handles, tokens)
     assert _state(pool, handles) == before
     pool.allocator.check_invariants()
+
+
+def test_float16_batched_logits_track_solo_ones(load):
+    """Half-precision weights and cache: each row of a batched step against the same sequence
+    decoded alone (B = 1, its own pool), fed the same tokens, within the float16 tolerance."""
+    artifact, weights = load("tiny", weight_dtype="float16", cache_dtype="float16", **OPTS)
+    vocab = artifact.manifest.vocab_size
+    prompts = _prompts(6, vocab)
+    fed = np.random.default_rng(7).integers(2, vocab, size=(6, 5)).tolist()
+    solo_session = BatchDecodeSession(artifact, weights, make_pool(artifact, 60))._single
+    want = []
+    for prompt, tokens in zip(prompts, fed):
+        h = solo_session.pool.new_sequence()
+        solo_session.prefill(h, prompt)
+        want.append([np.array(solo_session.realize_token(h, t)) for t in tokens])
+        h.release()
+    pool = make_pool(artifact, 60)
+    session = BatchDecodeSession(artifact, weights, pool)
+    handles = [pool.new_sequence() for _ in prompts]
+    for h, prompt in zip(handles, prompts):
+        session._single.prefill(h, prompt)
+    for step in range(5):
+        logits = session.step(handles, [tokens[step] for tokens in fed])
+        for row in range(6):
+            np.testing.assert_allclose(logits[row], want[row][step],
+                                       atol=LOGIT_TOL["float16"], rtol=0)
+    assert session.realize_counts[8] == 5  # six rows ran bucket 8
