@@ -152,6 +152,52 @@ async def run_round(server: Server, concurrency: int, per_client: int,
             "itl": [x for r in results for x in r["itl"]], "health": health}
 
 
+# a serving trace: prompts of mixed lengths (words of FILLER) and outputs of mixed lengths
+TRACE_PROMPT_WORDS = (8, 48, 160)
+TRACE_OUTPUT_TOKENS = (16, 48, 128)
+FILLER = ("the printing press changed how ideas travelled across towns and seas because every "
+          "copy was the same and cheap enough for a merchant or a student to own ").split()
+
+
+def trace_requests(count: int, rate: float, seed: int = 0) -> list[tuple[float, str, int]]:
+    """``count`` requests ``(arrival s, prompt, max_tokens)``: Poisson arrivals at ``rate``
+    per second, prompt and output lengths drawn from the mixes above."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, count))
+    out = []
+    for at in arrivals:
+        words = int(rng.choice(TRACE_PROMPT_WORDS))
+        prompt = " ".join(FILLER[i % len(FILLER)] for i in range(words))
+        out.append((float(at), prompt, int(rng.choice(TRACE_OUTPUT_TOKENS))))
+    return out
+
+
+async def run_trace(server: Server, requests: list[tuple[float, str, int]]) -> dict:
+    """Each request sent at its arrival time, streamed to its end (a bounded list)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                timeout=600)
+    if not server.model:
+        server.model = (await client.models.list()).data[0].id
+    t0 = time.perf_counter()
+
+    async def one(at: float, prompt: str, max_tokens: int) -> dict:
+        await asyncio.sleep(max(at - (time.perf_counter() - t0), 0))
+        return await _one_request(client, server, prompt, max_tokens)
+
+    stop = asyncio.Event()
+    probe = asyncio.create_task(_probe(server, stop))
+    results = await asyncio.gather(*(one(*r) for r in requests))
+    wall = time.perf_counter() - t0
+    stop.set()
+    health = await probe
+    await client.close()
+    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
+            "ttft": [r["ttft"] for r in results if r["ttft"] is not None],
+            "itl": [x for r in results for x in r["itl"]], "health": health}
+
+
 def _summary(rounds: list[dict]) -> dict:
     ttft = np.concatenate([r["ttft"] for r in rounds]) if rounds else np.zeros(0)
     itl = np.concatenate([r["itl"] for r in rounds])
@@ -204,6 +250,18 @@ def markdown(result: dict, meta: dict) -> str:
                    if ra[c]["itl_ms_p99"] and rb[c]["itl_ms_p99"] else None)
             lines.append(f"| {c} | {ra[c]['tokens_per_s'] / rb[c]['tokens_per_s']:.2f} | "
                          f"{'-' if itl is None else f'{itl:.2f}'} |")
+    return "\n".join(lines)
+
+
+def trace_markdown(trace: dict, count: int, rate: float) -> str:
+    lines = [f"Poisson trace: {count} requests at {rate:g}/s, prompts of "
+             f"{'/'.join(map(str, TRACE_PROMPT_WORDS))} words, outputs of "
+             f"{'/'.join(map(str, TRACE_OUTPUT_TOKENS))} tokens.", "",
+             "| server | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|"]
+    for name, s in trace.items():
+        lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {_ms(s['ttft_ms_p50'])} / "
+                     f"{_ms(s['ttft_ms_p99'])} | {_ms(s['itl_ms_p50'])} / "
+                     f"{_ms(s['itl_ms_p99'])} |")
     return "\n".join(lines)
 
 
@@ -313,6 +371,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--trace", type=int, default=0, metavar="COUNT",
+                   help="also replay a Poisson trace of COUNT requests of mixed lengths")
+    p.add_argument("--rate", type=float, default=2.0, help="the trace's requests per second")
     p.add_argument("--paged-args", default="", help="more paged-serve options, e.g. "
                    "'--weight-dtype float16'")
     p.add_argument("--out", default="bench-serve")
@@ -339,6 +400,9 @@ def main(argv=None) -> None:
             s.wait_ready()
         result = measure(servers, concurrencies, args.per_client, args.max_tokens, args.rounds,
                          say=lambda m: print(m, file=sys.stderr))
+        trace = ({s.name: _summary([asyncio.run(run_trace(s, trace_requests(args.trace,
+                                                                            args.rate)))])
+                  for s in servers} if args.trace else None)
     finally:
         for s in servers:
             s.stop()
@@ -348,8 +412,10 @@ def main(argv=None) -> None:
             "rounds": args.rounds, "cpu": _cpu(), "threads": os.cpu_count()}
     grammar = _grammar_cost_of(servers[0])
     (out / "serve.json").write_text(json.dumps({"meta": meta, "result": result,
-                                                "grammar": grammar}, indent=1))
+                                                "trace": trace, "grammar": grammar}, indent=1))
     md = markdown(result, meta)
+    if trace is not None:
+        md += "\n\n" + trace_markdown(trace, args.trace, args.rate)
     if grammar is not None:
         md += (f"\n\nJSON-schema mask: {grammar['us_p50']:.0f} us per token (p99 "
                f"{grammar['us_p99']:.0f}) over {grammar['tokens']} tokens, vocabulary "

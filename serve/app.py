@@ -171,7 +171,10 @@ class _Server:
         return render_response(job, choices, self.engine.tokenizer)
 
     async def _job(self, body: SamplingBody, prompts: list[list[int]], chat: bool) -> dict:
+        field = "max_tokens"
         if isinstance(body, ChatRequest):
+            if body.max_completion_tokens is not None:
+                field = "max_completion_tokens"
             max_tokens = body.max_completion_tokens or body.max_tokens
             top = (body.top_logprobs or 0) if body.logprobs else None
         else:
@@ -185,14 +188,14 @@ class _Server:
         except InputError as e:
             raise APIError(400, str(e)) from e
         return {"chat": chat, "model": self.model_name, "n": body.n, "prompts": prompts,
-                "max_tokens": [self._max_tokens(p, max_tokens, chat) for p in prompts],
+                "max_tokens": [self._max_tokens(p, max_tokens, field, chat) for p in prompts],
                 "sampling": sampling, "stop": stop, "top_logprobs": top,
                 "grammar": await self._grammar(body.response_format),
                 "include_usage": bool(body.stream_options and body.stream_options.include_usage),
                 "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
                 "created": int(time.time())}
 
-    def _max_tokens(self, prompt: list[int], asked: int | None, chat: bool) -> int:
+    def _max_tokens(self, prompt: list[int], asked: int | None, field: str, chat: bool) -> int:
         cap = self.engine.artifact.max_tokens
         where = "messages" if chat else "prompt"
         if len(prompt) > cap:
@@ -202,7 +205,6 @@ class _Server:
         if asked is None:
             return room
         if asked > room:
-            field = "max_completion_tokens" if chat else "max_tokens"
             raise APIError(400, f"{field}: {asked} tokens after a {len(prompt)}-token "
                            f"{where} exceed this model's context of {cap} tokens; at most "
                            f"{room} fit", field)

@@ -4,6 +4,7 @@ subprocess for the signal and bind checks.  Every request loop is bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -425,15 +426,22 @@ def test_bad_completion_requests_are_400_naming_the_field(tiny, change, param):
     assert error["message"]
 
 
-@pytest.mark.parametrize("messages,param", [
-    ([], "messages"),
-    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "user", "content": "hi " * 40}], "messages"),
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("messages,extra,param", [
+    ([], {}, "messages"),
+    ([{"role": "robot", "content": "hi"}], {}, "messages[0].role"),
+    ([{"role": "user", "content": 5}], {}, "messages[0].content"),
+    ([{"role": "user", "content": "hi " * 40}], {}, "messages"),
+    (HI, {"max_tokens": 500}, "max_tokens"),
+    (HI, {"max_completion_tokens": 500}, "max_completion_tokens"),
+    (HI, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
 ])
-def test_bad_chat_requests_are_400_naming_the_field(tiny, messages, param):
+def test_bad_chat_requests_are_400_naming_the_field(tiny, messages, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
-        tiny.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        tiny.client.chat.completions.create(model="tiny", messages=messages,
+                                            **({"max_tokens": 4} | extra))
     assert err.value.body["param"] == param, err.value.body
 
 
@@ -593,7 +601,7 @@ def _template_file(root) -> str:
 def test_the_load_generator_measures_a_live_server(tiny):
     from types import SimpleNamespace
 
-    from paged_decode.bench.serve import markdown, measure
+    from paged_decode.bench.serve import markdown, measure, run_trace, trace_requests
 
     server = SimpleNamespace(name="paged-serve", url=tiny.live.url, model="tiny",
                              probe="/health")
@@ -604,4 +612,9 @@ def test_the_load_generator_measures_a_live_server(tiny):
     table = markdown(result, {"model": "tiny", "paged_args": "", "max_tokens": 5,
                               "per_client": 2, "rounds": 1, "cpu": "test"})
     assert "| paged-serve | 3 |" in table
+    trace = trace_requests(6, rate=50.0)
+    assert len(trace) == 6 and [t[0] for t in trace] == sorted(t[0] for t in trace)
+    short = [(at, prompt.split()[0], min(n, 6)) for at, prompt, n in trace]  # 64-token context
+    replay = asyncio.run(run_trace(server, short))
+    assert replay["tokens"] == sum(n for _, _, n in short) and len(replay["ttft"]) == 6
     assert tiny.all_free()
