@@ -124,25 +124,19 @@ async def _probe(server: Server, stop: asyncio.Event) -> list[float]:
     return out
 
 
-async def run_round(server: Server, concurrency: int, per_client: int,
-                    max_tokens: int) -> dict:
-    """``concurrency`` clients, each streaming ``per_client`` completions back to back."""
+async def _under_probe(server: Server, requests) -> dict:
+    """Run ``requests(client, t0)`` (a coroutine returning ``_one_request`` results) while
+    ``_probe`` measures the server; the round's totals and latencies."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                 timeout=600)
-
-    async def worker(i: int) -> list[dict]:
-        return [await _one_request(client, server, PROMPTS[(i + j) % len(PROMPTS)], max_tokens)
-                for j in range(per_client)]
-
     if not server.model:
         server.model = (await client.models.list()).data[0].id
     stop = asyncio.Event()
     probe = asyncio.create_task(_probe(server, stop))
     t0 = time.perf_counter()
-    results = [r for rs in await asyncio.gather(*(worker(i) for i in range(concurrency)))
-               for r in rs]
+    results = await requests(client, t0)
     wall = time.perf_counter() - t0
     stop.set()
     health = await probe
@@ -150,6 +144,21 @@ async def run_round(server: Server, concurrency: int, per_client: int,
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
             "ttft": [r["ttft"] for r in results if r["ttft"] is not None],
             "itl": [x for r in results for x in r["itl"]], "health": health}
+
+
+async def run_round(server: Server, concurrency: int, per_client: int,
+                    max_tokens: int) -> dict:
+    """``concurrency`` clients, each streaming ``per_client`` completions back to back."""
+
+    async def requests(client, _t0) -> list[dict]:
+        async def worker(i: int) -> list[dict]:
+            return [await _one_request(client, server, PROMPTS[(i + j) % len(PROMPTS)],
+                                       max_tokens) for j in range(per_client)]
+
+        done = await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        return [r for rs in done for r in rs]
+
+    return await _under_probe(server, requests)
 
 
 # a serving trace: prompts of mixed lengths (words of FILLER) and outputs of mixed lengths
@@ -172,30 +181,17 @@ def trace_requests(count: int, rate: float, seed: int = 0) -> list[tuple[float, 
     return out
 
 
-async def run_trace(server: Server, requests: list[tuple[float, str, int]]) -> dict:
+async def run_trace(server: Server, trace: list[tuple[float, str, int]]) -> dict:
     """Each request sent at its arrival time, streamed to its end (a bounded list)."""
-    import openai
 
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                timeout=600)
-    if not server.model:
-        server.model = (await client.models.list()).data[0].id
-    t0 = time.perf_counter()
+    async def requests(client, t0) -> list[dict]:
+        async def one(at: float, prompt: str, max_tokens: int) -> dict:
+            await asyncio.sleep(max(at - (time.perf_counter() - t0), 0))
+            return await _one_request(client, server, prompt, max_tokens)
 
-    async def one(at: float, prompt: str, max_tokens: int) -> dict:
-        await asyncio.sleep(max(at - (time.perf_counter() - t0), 0))
-        return await _one_request(client, server, prompt, max_tokens)
+        return list(await asyncio.gather(*(one(*r) for r in trace)))
 
-    stop = asyncio.Event()
-    probe = asyncio.create_task(_probe(server, stop))
-    results = await asyncio.gather(*(one(*r) for r in requests))
-    wall = time.perf_counter() - t0
-    stop.set()
-    health = await probe
-    await client.close()
-    return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
-            "ttft": [r["ttft"] for r in results if r["ttft"] is not None],
-            "itl": [x for r in results for x in r["itl"]], "health": health}
+    return await _under_probe(server, requests)
 
 
 def _summary(rounds: list[dict]) -> dict:

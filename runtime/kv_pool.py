@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 CACHE_DTYPES = {"float32": 4, "float16": 2}  # cache_dtype -> bytes per element
 
+
+def block_bytes(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int,
+                cache_dtype: str) -> int:
+    """Bytes of one KV block across K and V of all layers."""
+    return 2 * n_layers * block_size * n_kv_heads * head_dim * CACHE_DTYPES[cache_dtype]
+
 _ALLOC_IDS = itertools.count(1)  # process-unique pool allocation ids
 _SEQ_IDS = itertools.count(1)  # process-unique sequence ids
 _ID_LOCK = threading.Lock()
@@ -134,8 +140,8 @@ class PagedKVCache:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across K and V of all layers."""
-        per_tensor = self.block_size * self.n_kv_heads * self.head_dim * CACHE_DTYPES[self.cache_dtype]
-        return 2 * self.n_layers * per_tensor
+        return block_bytes(self.n_layers, self.n_kv_heads, self.head_dim, self.block_size,
+                           self.cache_dtype)
 
     @property
     def nbytes(self) -> int:

@@ -36,9 +36,10 @@ def check_bind(host: str, api_key: str | None, allow_remote: bool) -> None:
 def default_num_blocks(artifact, max_running: int) -> int:
     """Blocks for ``max_running`` full-length sequences, at most DEFAULT_KV_FRACTION of the
     machine's memory (and never fewer than one full-length sequence)."""
+    from paged_decode.runtime.kv_pool import block_bytes
+
     m = artifact.manifest
-    per_block = (2 * m.n_layers * m.n_kv_heads * m.block_size * m.head_dim
-                 * (4 if m.cache_dtype == "float32" else 2))
+    per_block = block_bytes(m.n_layers, m.n_kv_heads, m.head_dim, m.block_size, m.cache_dtype)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     ceiling = int(memory * DEFAULT_KV_FRACTION) // per_block
     want = m.max_blocks_cap * max_running

@@ -618,3 +618,12 @@ def test_the_load_generator_measures_a_live_server(tiny):
     replay = asyncio.run(run_trace(server, short))
     assert replay["tokens"] == sum(n for _, _, n in short) and len(replay["ttft"]) == 6
     assert tiny.all_free()
+
+
+def test_the_default_pool_holds_the_running_sequences_within_a_memory_share(tiny, monkeypatch):
+    import paged_decode.serve as serve
+
+    artifact = tiny.engine.artifact
+    assert serve.default_num_blocks(artifact, 8) == artifact.max_blocks_cap * 8
+    monkeypatch.setattr(serve, "DEFAULT_KV_FRACTION", 1e-12)  # a machine with no room
+    assert serve.default_num_blocks(artifact, 8) == artifact.max_blocks_cap  # one sequence
