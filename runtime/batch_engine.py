@@ -148,6 +148,7 @@ class BatchEngine:
         self._active = 0  # submitted and not yet ended; under _lock
         self._lock = threading.Lock()
         self._grammars = None
+        self._grammars_lock = threading.Lock()  # not _lock: building it must not hold up submit
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="paged-decode-batch",
                                         daemon=True)
@@ -209,7 +210,7 @@ class BatchEngine:
     def grammars(self):
         """The :class:`~paged_decode.runtime.grammar.GrammarCompiler` of this model's tokenizer
         (built at first use)."""
-        with self._lock:
+        with self._grammars_lock:
             if self._grammars is None:
                 from .grammar import GrammarCompiler
 

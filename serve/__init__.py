@@ -33,12 +33,12 @@ def check_bind(host: str, api_key: str | None, allow_remote: bool) -> None:
                           "to serve without one")
 
 
-def default_num_blocks(artifact, max_running: int) -> int:
-    """Blocks for ``max_running`` full-length sequences, at most DEFAULT_KV_FRACTION of the
-    machine's memory (and never fewer than one full-length sequence)."""
+def default_num_blocks(m, max_running: int) -> int:
+    """Blocks for ``max_running`` full-length sequences of an artifact (its ``Manifest``), at
+    most DEFAULT_KV_FRACTION of the machine's memory (and never fewer than one full-length
+    sequence)."""
     from paged_decode.runtime.kv_pool import block_bytes
 
-    m = artifact.manifest
     per_block = block_bytes(m.n_layers, m.n_kv_heads, m.head_dim, m.block_size, m.cache_dtype)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     ceiling = int(memory * DEFAULT_KV_FRACTION) // per_block
@@ -56,14 +56,13 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
                 chat_template: str | None):
     """The batching engine for a server (pool sized as :func:`default_num_blocks` says, unless
     ``kv_cache_gb``), with the chat template replaced when one is given."""
-    from paged_decode.runtime.artifact import load_artifact
+    from paged_decode.runtime.artifact import read_manifest
     from paged_decode.runtime.batch_engine import BatchEngine
 
-    artifact = load_artifact(artifact_dir)
-    rows = max(artifact.manifest.batch_buckets, default=1)
-    running = max_running or rows
+    manifest, _ = read_manifest(artifact_dir)  # BatchEngine.load loads the library itself
+    running = max_running or max(manifest.batch_buckets, default=1)
     pool = ({"memory_budget_bytes": int(kv_cache_gb * 1e9)} if kv_cache_gb is not None
-            else {"num_blocks": default_num_blocks(artifact, running)})
+            else {"num_blocks": default_num_blocks(manifest, running)})
     engine = BatchEngine.load(artifact_dir, weights_dir, max_running=running,
                               max_waiting=max_waiting, prefill_budget=prefill_budget, **pool)
     if chat_template is not None:

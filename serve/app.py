@@ -219,9 +219,8 @@ class _Server:
                 raise APIError(400, "response_format.json_schema.schema is required for "
                                "type json_schema", "response_format.json_schema.schema")
             schema = fmt.json_schema.schema_
-        compiler = self.engine.grammars
-        try:  # llguidance builds grammars without the GIL: off the event loop
-            return await asyncio.to_thread(compiler.json_schema, schema)
+        try:  # the tokenizer index (first use) and the grammar are built off the event loop
+            return await asyncio.to_thread(lambda: self.engine.grammars.json_schema(schema))
         except GrammarError as e:
             raise APIError(400, f"response_format: {e}", "response_format") from e
 

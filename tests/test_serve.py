@@ -623,7 +623,7 @@ def test_the_load_generator_measures_a_live_server(tiny):
 def test_the_default_pool_holds_the_running_sequences_within_a_memory_share(tiny, monkeypatch):
     import paged_decode.serve as serve
 
-    artifact = tiny.engine.artifact
-    assert serve.default_num_blocks(artifact, 8) == artifact.max_blocks_cap * 8
+    manifest = tiny.engine.artifact.manifest
+    assert serve.default_num_blocks(manifest, 8) == manifest.max_blocks_cap * 8
     monkeypatch.setattr(serve, "DEFAULT_KV_FRACTION", 1e-12)  # a machine with no room
-    assert serve.default_num_blocks(artifact, 8) == artifact.max_blocks_cap  # one sequence
+    assert serve.default_num_blocks(manifest, 8) == manifest.max_blocks_cap  # one sequence
