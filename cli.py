@@ -69,7 +69,12 @@ def build_options(fn):
         click.option("--max-blocks-cap", default=None, type=int,
                      help="block-table width (instead of --max-context)"),
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
-        click.option("--weight-dtype", default="float32", show_default=True, type=DTYPE),
+        click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
+                     show_default=True, type=click.Choice(
+                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1"]),
+                     help="how matrices are stored and read: auto keeps a GGUF's own formats "
+                     "(float32 for HF checkpoints); float32 / float16 dequantize; q8_0 / q4_0 "
+                     "/ q4_1 quantize (the LM head in q8_0)"),
         click.option("--batch-buckets", default=None, type=_Buckets(),
                      help="rows of each compiled batched decode step, e.g. 2,4,8, or none "
                      "(default: 2,4,8,16,32 on the CPU, none on GPUs)"),

@@ -23,7 +23,7 @@ from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
 from .tokenizer_export import export_tokenizer
-from .weights import ModelSource, resolve_model
+from .weights import ModelSource, resolve_formats, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,13 @@ class Prepared:
     weights_cache_hit: bool
 
 
-def shape_key(source: ModelSource, weight_dtype: str) -> str:
-    """Which model weights: the shape config, the weight values and their dtype."""
-    blob = json.dumps({"model": source.config.shape_dict(), "weights": source.weights_key,
-                       "weight_dtype": weight_dtype}, sort_keys=True, default=str)
+def shape_key(source: ModelSource, weight_dtype: str, weight_formats=()) -> str:
+    """Which model weights: the shape config, the weight values and their formats."""
+    fields = {"model": source.config.shape_dict(), "weights": source.weights_key,
+              "weight_dtype": weight_dtype}
+    if weight_formats:
+        fields["weight_formats"] = dict(weight_formats)
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -100,7 +103,7 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
     name = artifact_name(spec, target)
     options = {"target": cli_target(target.key_string), "block_size": spec.block_size,
                "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
-               "weight_dtype": spec.weight_dtype}
+               "weight_dtype": _policy_arg(spec)}
     hint = compile_command(model_arg, options, root)
     if spec.batch_buckets != default_buckets(target.kind):
         hint += f" --batch-buckets {buckets_arg(spec.batch_buckets)}"
@@ -108,12 +111,19 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
                               _manifest_complete, policy, hint, **lock)
 
 
-def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> None:
+def _policy_arg(spec: BuildSpec) -> str:
+    """The ``--weight-dtype`` that gives ``spec``'s formats again: its one format, or "auto"
+    for a GGUF's own mix."""
+    return "auto" if spec.weight_formats else spec.weight_dtype
+
+
+def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path,
+                      weight_formats=()) -> None:
     """params.safetensors (our layout), the tokenizer, and weights.json written last."""
     from safetensors.numpy import save_file
 
-    params = source.load_params(weight_dtype)
-    specs = param_specs(source.config, weight_dtype)
+    params = source.load_params(weight_dtype, weight_formats)
+    specs = param_specs(source.config, weight_dtype, weight_formats)
     for s in specs:
         arr = params.get(s.name)
         if arr is None or tuple(arr.shape) != s.shape or str(arr.dtype) != s.dtype:
@@ -128,31 +138,35 @@ def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path) -> 
     files = {f.name: file_record(f) for f in sorted(out_dir.iterdir()) if f.is_file()}
     meta = {"weights_format": WEIGHTS_FORMAT, "name": source.config.name,
             "model_arg": source.cli_name or source.config.name,
-            "shape_key": shape_key(source, weight_dtype), "weights_key": source.weights_key,
-            "weight_dtype": weight_dtype, "model": source.config.shape_dict(),
+            "shape_key": shape_key(source, weight_dtype, weight_formats),
+            "weights_key": source.weights_key, "weight_dtype": weight_dtype,
+            "weight_formats": dict(weight_formats), "model": source.config.shape_dict(),
             "params": [[s.name, list(s.shape), s.dtype] for s in specs], "files": files}
     record_verified(out_dir, files)
     (out_dir / "weights.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
 
 
 def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: str,
-                   **lock) -> tuple[Path, bool]:
+                   weight_formats=(), **lock) -> tuple[Path, bool]:
     wroot = root / "weights"
     if policy in ("on", "redo"):
         wroot.mkdir(exist_ok=True)
     # the format in the name: packs of two versions sharing a root sit side by side
-    name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}"
+    mix = ("-" + hashlib.sha256(json.dumps(sorted(weight_formats)).encode()).hexdigest()[:8]
+           if weight_formats else "")
+    name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}{mix}"
             f"-w{WEIGHTS_FORMAT}")
     hint = compile_command(source.cli_name or source.config.name,
-                           {"weight_dtype": weight_dtype}, root)
-    return cache.locked_build(wroot, name, lambda d: write_weight_pack(source, weight_dtype, d),
-                              _weights_complete, policy, hint, **lock)
+                           {"weight_dtype": "auto" if weight_formats else weight_dtype}, root)
+    return cache.locked_build(
+        wroot, name, lambda d: write_weight_pack(source, weight_dtype, d, weight_formats),
+        _weights_complete, policy, hint, **lock)
 
 
 def key_of(model: str | None = None, *, target: str | None = None,
            block_size: int | None = None, max_context: int | None = None,
            max_blocks_cap: int | None = None, cache_dtype: str = "float32",
-           weight_dtype: str = "float32", batch_buckets=None) -> dict:
+           weight_dtype: str = "auto", batch_buckets=None) -> dict:
     """The artifact key fields and digest, without compiling."""
     source = resolve_model(model)
     tspec = resolve_target(target)
@@ -183,9 +197,10 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
         raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
                           "batched decode kernels yet (the CPU has); build it with "
                           "--batch-buckets none")
+    base, formats = resolve_formats(source, weight_dtype, quantized_ok=tspec.kind == "llvm")
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
-                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=weight_dtype,
-                     batch_buckets=batch_buckets)
+                     max_context=max_context, cache_dtype=cache_dtype, weight_dtype=base,
+                     batch_buckets=batch_buckets, weight_formats=formats)
 
 
 def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
@@ -206,7 +221,7 @@ def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
 def prepare(model: str | ModelSource | None = None, *, target: str | None = None,
             block_size: int | None = None,
             max_context: int | None = None, max_blocks_cap: int | None = None,
-            cache_dtype: str = "float32", weight_dtype: str = "float32", batch_buckets=None,
+            cache_dtype: str = "float32", weight_dtype: str = "auto", batch_buckets=None,
             artifacts: str | Path | None = None, policy: str | None = None,
             force: bool = False, progress: Callable[[str], None] | None = None,
             lock_timeout: float = cache.LOCK_TIMEOUT_S) -> Prepared:
@@ -242,6 +257,9 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     lock = {"lock_timeout": float(lock_timeout), "waiting": progress}
     art_dir, hit = ensure_artifact(spec, tspec, root, policy,
                                    source.cli_name or source.config.name, **lock)
-    say(f"weights of {source.config.name} as {weight_dtype}")
-    w_dir, w_hit = ensure_weights(source, weight_dtype, root, policy, **lock)
+    mix = "".join(f", {n} {f}" for n, f in spec.weight_formats[:3])
+    more = f", {len(spec.weight_formats) - 3} more" if len(spec.weight_formats) > 3 else ""
+    say(f"weights of {source.config.name} as {spec.weight_dtype}{mix}{more}")
+    w_dir, w_hit = ensure_weights(source, spec.weight_dtype, root, policy,
+                                  spec.weight_formats, **lock)
     return Prepared(art_dir, w_dir, read_manifest(art_dir)[0], hit, w_hit)

@@ -25,6 +25,7 @@ from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE
                                            key_digest)
 
 from .config import DTYPES, ModelConfig
+from .formats import FORMATS
 from .device_code import cuda_compile_callback, fatbin_packer
 from .kernels.registry import NO_DECODE_DEV, kernels_for
 from .model import BuildSpec, build_module
@@ -57,7 +58,8 @@ def check_buckets(batch_buckets) -> tuple[int, ...]:
 
 def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None = None,
               max_context: int | None = None, cache_dtype: str = "float32",
-              weight_dtype: str = "float32", batch_buckets=()) -> BuildSpec:
+              weight_dtype: str = "float32", batch_buckets=(), weight_formats=()
+              ) -> BuildSpec:
     """Validate the cache options; ``max_context`` rounds up to whole blocks.  ``block_size``
     has no default here: the target's (``TargetSpec.default_block_size``) is applied by
     ``api.prepare`` / ``api.key_of``."""
@@ -72,11 +74,13 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
         max_blocks_cap = -(-max_context // block_size)
     if not isinstance(max_blocks_cap, int) or max_blocks_cap < 1:
         raise ConfigError(f"max_blocks_cap={max_blocks_cap!r}: must be a positive integer")
-    for field, value in (("cache_dtype", cache_dtype), ("weight_dtype", weight_dtype)):
-        if value not in DTYPES:
-            raise ConfigError(f"{field}={value!r}: choose one of {list(DTYPES)}")
+    if cache_dtype not in DTYPES:
+        raise ConfigError(f"cache_dtype={cache_dtype!r}: choose one of {list(DTYPES)}")
+    for value in [weight_dtype, *dict(weight_formats).values()]:
+        if value not in FORMATS:
+            raise ConfigError(f"weight_dtype={value!r}: choose one of {list(FORMATS)}")
     return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype,
-                     check_buckets(batch_buckets))
+                     check_buckets(batch_buckets), tuple(sorted(dict(weight_formats).items())))
 
 
 # The build side's modules that shape the compiled library (graph, kernels, parameter layout,
@@ -112,6 +116,7 @@ def key_fields(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "block_size": spec.block_size,
         "cache_dtype": spec.cache_dtype,
         "weight_dtype": spec.weight_dtype,
+        "weight_formats": dict(spec.weight_formats),
         "batch_buckets": list(spec.batch_buckets),
         "target": target.key_string,
         "exec_mode": EXEC_MODE,
@@ -141,7 +146,7 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "cache_dtype": spec.cache_dtype, "weight_dtype": spec.weight_dtype,
         "k_block_layout": fields["k_block_layout"],
         "batch_buckets": list(spec.batch_buckets),
-        "params": [[s.name, list(s.shape), s.dtype] for s in param_specs(cfg, spec.weight_dtype)],
+        "params": [[s.name, list(s.shape), s.dtype] for s in spec.param_specs()],
         "functions": ((["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
                        else ["decode", "decode_dev", "prefill", "_metadata"])
                       + [f"batch_decode_{b}" for b in spec.batch_buckets]),

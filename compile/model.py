@@ -40,8 +40,12 @@ class BuildSpec:
     max_blocks_cap: int
     block_size: int
     cache_dtype: str
-    weight_dtype: str
+    weight_dtype: str  # the format of every matrix not named in weight_formats
     batch_buckets: tuple[int, ...] = ()  # rows of each compiled batch_decode_<B>
+    weight_formats: tuple[tuple[str, str], ...] = ()  # (param name, format) exceptions
+
+    def param_specs(self):
+        return param_specs(self.config, self.weight_dtype, self.weight_formats)
 
     @property
     def max_tokens(self) -> int:
@@ -78,8 +82,9 @@ class _Builder:
         return self.n_static == 1
 
     def linear(self, x, w, n, N, K, bias=None, res=None):
-        """Prefill matmul, or decode GEMV, with an optional bias / residual epilogue."""
-        wdt = self.spec.weight_dtype
+        """Prefill matmul, or decode GEMV, with an optional bias / residual epilogue; ``w`` a
+        parameter name."""
+        w, wdt = self.p[w], self.fmt[w]
         epilogue, extra = ("bias", [bias]) if bias is not None else (
             ("residual", [res]) if res is not None else ("none", []))
         if self.decode:
@@ -88,15 +93,16 @@ class _Builder:
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
-        eps, wdt = self.cfg.rms_norm_eps, self.spec.weight_dtype
+        eps, wdt = self.cfg.rms_norm_eps, self.fmt[w]
         if self.decode:
             epilogue, extra = ("bias", [bias]) if bias is not None else ("none", [])
-            return self.call(self.k.gemv(N, K, wdt, epilogue, eps), [x, g, w] + extra, (1, N))
+            return self.call(self.k.gemv(N, K, wdt, epilogue, eps), [x, g, self.p[w]] + extra,
+                             (1, N))
         xn = self.call(self.k.rmsnorm(K, eps, None), [x, g], (n, K))
         return self.linear(xn, w, n, N, K, bias=bias)
 
     def norm_swiglu(self, x, g, w, n):
-        cfg, wdt = self.cfg, self.spec.weight_dtype
+        cfg, wdt, w = self.cfg, self.fmt[w], self.p[w]
         h, inter = cfg.hidden_size, cfg.intermediate_size
         if self.decode:
             return self.call(self.k.gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w],
@@ -104,12 +110,12 @@ class _Builder:
         xn = self.call(self.k.rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
         return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
-    def layer(self, x, n, p, kv, attn_args):
+    def layer(self, x, n, layer, kv, attn_args):
         """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
-        cfg = self.cfg
+        cfg, pre = self.cfg, f"layers.{layer}."
         h, q_size = cfg.hidden_size, cfg.q_size
-        qkv = self.norm_linear(x, p["input_norm"], p["wqkv"], n, cfg.qkv_size, h,
-                               bias=p.get("bqkv"))
+        qkv = self.norm_linear(x, self.p[pre + "input_norm"], pre + "wqkv", n, cfg.qkv_size, h,
+                               bias=self.p.get(pre + "bqkv"))
         rope, attn, extra_rope, extra_attn = attn_args
         written = self.bb.emit(relax.call_tir_inplace(
             self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],
@@ -118,24 +124,25 @@ class _Builder:
         v_new = self.bb.emit(relax.TupleGetItem(written, 1))
         q_rot = self.bb.emit(relax.TupleGetItem(written, 2))
         o = self.call(attn, [q_rot, k_new, v_new] + extra_attn, (n, q_size))
-        x = self.linear(o, p["wo"], n, h, q_size, res=x)
-        act = self.norm_swiglu(x, p["post_norm"], p["w_gate_up"], n)
-        x = self.linear(act, p["w_down"], n, h, cfg.intermediate_size, res=x)
+        x = self.linear(o, pre + "wo", n, h, q_size, res=x)
+        act = self.norm_swiglu(x, self.p[pre + "post_norm"], pre + "w_gate_up", n)
+        x = self.linear(act, pre + "w_down", n, h, cfg.intermediate_size, res=x)
         return x, (k_new, v_new)
 
     def body(self, token_ids, n, pools, params, attn_args):
         """Embedding, the layers, the final norm of the last row and the LM head."""
         cfg, spec = self.cfg, self.spec
-        p = {s.name: self.bb.emit(relax.TupleGetItem(params, i))
-             for i, s in enumerate(param_specs(cfg, spec.weight_dtype))}
+        specs = spec.param_specs()
+        self.p = p = {s.name: self.bb.emit(relax.TupleGetItem(params, i))
+                      for i, s in enumerate(specs)}
+        self.fmt = {s.name: s.format for s in specs}
         self.inv_freq = relax.const(rope_inv_freq(cfg), "float32")
-        embed = self.k.embedding(cfg.vocab_size, cfg.hidden_size, spec.weight_dtype, self.n_static)
+        embed = self.k.embedding(cfg.vocab_size, cfg.hidden_size, self.fmt["embed"], self.n_static)
         x = self.call(embed, [token_ids, p["embed"]], (n, cfg.hidden_size))
         for layer in range(cfg.n_layers):
-            lp = {k.split(".", 2)[2]: v for k, v in p.items() if k.startswith(f"layers.{layer}.")}
             kv = [self.bb.emit(relax.TupleGetItem(pools, 2 * layer + j)) for j in (0, 1)]
-            x, _ = self.layer(x, n, lp, kv, attn_args)
-        head = p["embed"] if cfg.tie_word_embeddings else p["lm_head"]
+            x, _ = self.layer(x, n, layer, kv, attn_args)
+        head = "embed" if cfg.tie_word_embeddings else "lm_head"
         v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
         if self.all_rows:
             x = self.call(self.k.rmsnorm(h, eps, None), [x, p["final_norm"]], (n, h))
@@ -143,9 +150,9 @@ class _Builder:
         if not self.decode:  # only the last position's logits
             x = self.call(self.k.rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]],
                           (1, h))
-            return self.call(self.k.gemv(v, h, spec.weight_dtype), [x, head], (1, v))
-        return self.call(self.k.gemv(v, h, spec.weight_dtype, "none", eps),
-                         [x, p["final_norm"], head], (1, v))
+            return self.call(self.k.gemv(v, h, self.fmt[head]), [x, p[head]], (1, v))
+        return self.call(self.k.gemv(v, h, self.fmt[head], "none", eps),
+                         [x, p["final_norm"], p[head]], (1, v))
 
 
 def _per_call_inputs(n: int) -> dict:
@@ -162,7 +169,7 @@ def _pool_and_param_vars(spec: BuildSpec):
     pool_ty = relax.TensorType([nb, cfg.n_kv_heads, spec.block_size, cfg.head_dim], spec.cache_dtype)
     pools = relax.Var("kv_pools", relax.TupleType([pool_ty] * (2 * cfg.n_layers)))
     params = relax.Var("params", relax.TupleType(
-        [relax.TensorType(list(s.shape), s.dtype) for s in param_specs(cfg, spec.weight_dtype)]))
+        [relax.TensorType(list(s.shape), s.dtype) for s in spec.param_specs()]))
     return pool_ty, pools, params
 
 

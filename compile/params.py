@@ -5,7 +5,10 @@ gate/up are joined along ``out_features`` once at load time so one kernel reads 
 concatenated; gate and up rows alternate in runs of ``GATE_UP_ROWS`` (see ``gate_up_row``), so
 the SwiGLU GEMV reads one contiguous stream instead of switching between two regions ``I`` rows
 apart (measured in docs/design.md).
-Norm weights and biases are always float32; matrices and the embedding use the weight dtype.
+Norm weights and biases are always float32.  Matrices and the embedding are stored in their
+weight format (``formats.FORMATS``): the artifact's ``weight_dtype`` unless its ``weight_formats``
+names another for that parameter (a GGUF's Q8_0 embedding beside Q4_1 layers); a quantized
+matrix is its GGUF block bytes, ``(rows, K / 32 * block bytes)`` uint8.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .config import ModelConfig
+from .formats import FORMATS
 
 GATE_UP_ROWS = 16  # gate rows and up rows alternate in runs of this many
 
@@ -56,29 +60,47 @@ def split_gate_up(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class ParamSpec(NamedTuple):
     name: str
-    shape: tuple[int, ...]
-    dtype: str
+    shape: tuple[int, ...]  # as stored (a quantized matrix: its bytes per row)
+    dtype: str  # as stored
+    format: str = "float32"  # the weight format (``formats.FORMATS``)
+    logical: tuple[int, ...] = ()  # [out, in] of a matrix, () for vectors
 
 
-def param_specs(cfg: ModelConfig, weight_dtype: str) -> list[ParamSpec]:
-    """Names, shapes and dtypes of the ``params`` tuple, in tuple order."""
+def _matrix(name: str, rows: int, cols: int, fmt: str) -> ParamSpec:
+    shape, dtype = FORMATS[fmt].storage(rows, cols)
+    return ParamSpec(name, shape, dtype, fmt, (rows, cols))
+
+
+def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``{name: (out, in)}`` of every matrix parameter (the embedding included)."""
+    return {s.name: s.logical for s in param_specs(cfg, "float32") if s.logical}
+
+
+def param_specs(cfg: ModelConfig, weight_dtype: str, weight_formats=()) -> list[ParamSpec]:
+    """Names, stored shapes and dtypes of the ``params`` tuple, in tuple order; matrices in
+    ``weight_dtype`` unless ``weight_formats`` (pairs ``(name, format)``) names theirs."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    specs = [ParamSpec("embed", (v, h), weight_dtype)]  # (vocab, hidden)
+    other = dict(weight_formats)
+
+    def m(name, rows, cols):
+        return _matrix(name, rows, cols, other.get(name, weight_dtype))
+
+    specs = [m("embed", v, h)]  # (vocab, hidden)
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
         specs += [
             ParamSpec(p + "input_norm", (h,), "float32"),
-            ParamSpec(p + "wqkv", (cfg.qkv_size, h), weight_dtype),  # rows: q | k | v
+            m(p + "wqkv", cfg.qkv_size, h),  # rows: q | k | v
         ]
         if cfg.attention_bias:
             specs.append(ParamSpec(p + "bqkv", (cfg.qkv_size,), "float32"))
         specs += [
-            ParamSpec(p + "wo", (h, cfg.q_size), weight_dtype),
+            m(p + "wo", h, cfg.q_size),
             ParamSpec(p + "post_norm", (h,), "float32"),
-            ParamSpec(p + "w_gate_up", (2 * i, h), weight_dtype),  # gate / up runs
-            ParamSpec(p + "w_down", (h, i), weight_dtype),
+            m(p + "w_gate_up", 2 * i, h),  # gate / up runs
+            m(p + "w_down", h, i),
         ]
     specs.append(ParamSpec("final_norm", (h,), "float32"))
     if not cfg.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head", (v, h), weight_dtype))  # (vocab, hidden)
+        specs.append(m("lm_head", v, h))  # (vocab, hidden)
     return specs

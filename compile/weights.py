@@ -27,7 +27,8 @@ from paged_decode.runtime.errors import ConfigError, WeightsError
 
 from . import config as config_mod
 from .config import ModelConfig
-from .params import interleave_gate_up, param_specs
+from .formats import FORMATS, QUANT_FORMATS, by_gguf_type
+from .params import interleave_gate_up, matrix_shapes, param_specs
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,26 @@ class ModelSource:
     # of the model's identity: the default and its GGUF's path are the same model
     cli_name: str = dataclasses.field(default="", compare=False)
 
-    def load_params(self, weight_dtype: str) -> dict[str, np.ndarray]:
-        """Every parameter as a C-contiguous array, in ``param_specs`` order and dtypes.
+    def load_params(self, weight_dtype: str, weight_formats=()) -> dict[str, np.ndarray]:
+        """Every parameter as a C-contiguous array, in ``param_specs`` order, shapes and dtypes.
 
-        Matrices are ``[out_features, in_features]`` in ``weight_dtype`` ("float32" or
-        "float16"); norms and biases are float32 vectors.
+        Matrices are ``[out_features, in_features]`` in their weight format (``weight_dtype``
+        unless ``weight_formats`` names another): float32 / float16, or a quantized format's
+        block bytes.  A GGUF tensor already in its matrix's format is copied as it is; any
+        other is read as float32 and converted (quantized by ``formats``).  Norms and biases
+        are float32 vectors.
         """
-        if weight_dtype not in config_mod.DTYPES:
-            raise ConfigError(f"weight_dtype={weight_dtype!r}: supported are "
-                              f"{list(config_mod.DTYPES)}")
+        for fmt in [weight_dtype, *dict(weight_formats).values()]:
+            if fmt not in FORMATS:
+                raise ConfigError(f"weight format {fmt!r}: supported are {list(FORMATS)}")
         log.info("loading %s weights of %s as %s", self.kind, self.config.name, weight_dtype)
+        specs = param_specs(self.config, weight_dtype, weight_formats)
         if self.kind == "preset":
-            return _preset_params(self.config, weight_dtype)
-        get = _hf_getter(self.path) if self.kind == "hf" else _gguf_getter(self.path, self.config)
-        return _assemble(self.config, get, weight_dtype)
+            return _convert(_preset_params(self.config, "float32"), specs)
+        if self.kind == "hf":
+            return _assemble(self.config, _hf_getter(self.path), specs)
+        return _assemble(self.config, _gguf_getter(self.path, self.config), specs,
+                         _gguf_raw_getter(self.path, self.config))
 
 
 def resolve_model(model: str | ModelSource | None) -> ModelSource:
@@ -170,22 +177,44 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
     return table[part]
 
 
-def _assemble(cfg: ModelConfig, get, weight_dtype: str) -> dict[str, np.ndarray]:
-    """Read, shape-check and join HF-named float32 tensors into the params dict."""
+def _join(name: str, pieces: list[np.ndarray]) -> np.ndarray:
+    """One parameter from its HF parts (rows of any trailing shape: float or block bytes)."""
+    if name.endswith("w_gate_up"):
+        return interleave_gate_up(*pieces)
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+
+
+def _stored(spec, value: np.ndarray) -> np.ndarray:
+    """A float32 parameter in its spec's format (quantized rows, float16, or as it is)."""
+    if spec.logical:
+        value = FORMATS[spec.format].quantize(value)
+    return np.ascontiguousarray(value, dtype=spec.dtype)
+
+
+def _convert(params: dict[str, np.ndarray], specs) -> dict[str, np.ndarray]:
+    return {s.name: _stored(s, params[s.name]) for s in specs}
+
+
+def _assemble(cfg: ModelConfig, get, specs, raw=None) -> dict[str, np.ndarray]:
+    """Read, shape-check and join HF-named float32 tensors into the params dict, converted to
+    each parameter's format; ``raw(hf_name, format) -> block bytes | None`` supplies a part
+    already stored in its parameter's quantized format (joined as it is)."""
     out = {}
-    for spec in param_specs(cfg, weight_dtype):
+    for spec in specs:
+        parts = _hf_parts(cfg, spec.name)
+        if raw is not None and spec.logical and FORMATS[spec.format].quantized:
+            pieces = [raw(hf_name, spec.format) for hf_name, _shape in parts]
+            if all(p is not None for p in pieces):
+                out[spec.name] = np.ascontiguousarray(_join(spec.name, pieces))
+                continue
         pieces = []
-        for hf_name, shape in _hf_parts(cfg, spec.name):
+        for hf_name, shape in parts:
             array, where = get(hf_name)
             if array.shape != shape:
                 raise WeightsError(f"{hf_name} in {where}: shape {list(array.shape)}"
                                    f", config {cfg.name!r} expects {list(shape)}")
             pieces.append(array)
-        if spec.name.endswith("w_gate_up"):
-            value = interleave_gate_up(*pieces)
-        else:
-            value = pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
-        out[spec.name] = np.ascontiguousarray(value, dtype=spec.dtype)
+        out[spec.name] = _stored(spec, _join(spec.name, pieces))
     return out
 
 
@@ -497,6 +526,9 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
         tensor = tensors.get(gguf_name(name))
         if tensor is None:
             raise WeightsError(f"tensor {gguf_name(name)} (HF {name}) is missing from {path}")
+        if by_gguf_type(tensor.tensor_type.name) is None:
+            log.warning("%s in %s is %s, which does not run natively: dequantized", tensor.name,
+                        path, tensor.tensor_type.name)
         try:
             flat = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as e:
@@ -509,6 +541,87 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
             array = unpermute_rope_rows(array, rope_heads[module])
         return array, f"{path} (as {tensor.name})"
     return get
+
+
+def _gguf_raw_getter(path: Path, cfg: ModelConfig):
+    """``raw(hf_name, format) -> (rows, bytes per row) uint8 | None``: the tensor's GGUF block
+    bytes in HF row order when it is stored in ``format``, else None."""
+    tensors = {t.name: t for t in _open_gguf(path).tensors}
+    rope_heads = {"q_proj": cfg.n_q_heads, "k_proj": cfg.n_kv_heads}
+
+    def raw(name: str, fmt: str) -> np.ndarray | None:
+        tensor = tensors.get(gguf_name(name))
+        if tensor is None or tensor.tensor_type.name != FORMATS[fmt].gguf_type:
+            return None
+        rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+        array = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        module = name.split(".")[-2]
+        if module in rope_heads:
+            array = unpermute_rope_rows(array, rope_heads[module])
+        return array
+    return raw
+
+
+def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
+    """``{matrix parameter: [GGUF type name of each of its parts]}`` of a GGUF source."""
+    tensors = {t.name: t for t in _open_gguf(source.path).tensors}
+    return {name: [tensors[gguf_name(hf)].tensor_type.name
+                   for hf, _shape in _hf_parts(source.config, name)]
+            for name in matrix_shapes(source.config)}
+
+
+WEIGHT_POLICIES = ("auto", *FORMATS)
+
+
+def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
+                    ) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``(weight_dtype, weight_formats)`` for ``policy``: the format of most matrices and the
+    ``(name, format)`` exceptions.
+
+    - "float32" / "float16": every matrix dequantized (or converted) to it.
+    - "q8_0" / "q4_0" / "q4_1": every matrix quantized to it, except the LM head (the tied
+      embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision, and a
+      matrix whose rows are not whole 32-weight blocks, kept in float16.
+    - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
+      parts differ in type, or of a type without kernels here, becomes float16 with a
+      warning naming it); float32 for HF checkpoints and presets.
+    ``quantized_ok`` False (a target without quantized kernels): "auto" dequantizes to
+    float16, an explicit quantized format is a :class:`ConfigError`.
+    """
+    if policy not in WEIGHT_POLICIES:
+        raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
+    if policy in QUANT_FORMATS and not quantized_ok:
+        raise ConfigError(f"weight_dtype={policy!r}: quantized weights run on the CPU (llvm) "
+                          "target only so far; use --weight-dtype float16 on this target")
+    shapes = matrix_shapes(source.config)
+    head = "embed" if source.config.tie_word_embeddings else "lm_head"
+    if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):
+        return ("float32" if policy == "auto" else policy), ()
+    if policy == "auto":
+        chosen = {}
+        for name, types in gguf_matrix_types(source).items():
+            fmt = by_gguf_type(types[0])
+            if len(set(types)) > 1 or fmt is None or (fmt.quantized and not quantized_ok):
+                if len(set(types)) > 1 or fmt is None:
+                    log.warning("%s: %s parts are %s; not run natively: dequantized to float16",
+                                source.path, name, "/".join(types))
+                chosen[name] = "float16"
+            else:
+                chosen[name] = fmt.name
+    else:
+        chosen = {name: policy for name in shapes}
+        if head in chosen and policy != "q8_0":
+            chosen[head] = "q8_0"
+    for name, (_rows, cols) in shapes.items():
+        if not FORMATS[chosen[name]].fits(cols):
+            log.warning("%s: rows of %d weights are not whole %s blocks: kept in float16",
+                        name, cols, chosen[name])
+            chosen[name] = "float16"
+    counts: dict[str, int] = {}
+    for fmt in chosen.values():
+        counts[fmt] = counts.get(fmt, 0) + 1
+    base = max(counts, key=lambda f: (counts[f], f))
+    return base, tuple(sorted((n, f) for n, f in chosen.items() if f != base))
 
 
 # ---------------------------------------------------------------------------- tokenizer export

@@ -68,6 +68,8 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     opts = {"target": cli_target(target)} if isinstance(target, str) else {}
     opts.update((field, source[field]) for field in (
         "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
+    if source.get("weight_formats"):  # a GGUF's own mix of formats
+        opts["weight_dtype"] = "auto"
     buckets = source.get("batch_buckets")
     default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
     extra = (f" --batch-buckets {buckets_arg(buckets)}"
@@ -235,12 +237,14 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     path = Path(path)
     m = artifact.manifest
     model = m.model_arg or m.name
-    hint = f"convert the weights again with `{_pack_command(model, m.weight_dtype, path)}`"
+    mixed = bool(m.key.get("weight_formats")) if isinstance(m.key, dict) else False
+    hint = ("convert the weights again with "
+            f"`{_pack_command(model, 'auto' if mixed else m.weight_dtype, path)}`")
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
-    if isinstance(meta.get("model_arg"), str) and meta.get("weight_dtype") in ("float32",
-                                                                                "float16"):
+    if isinstance(meta.get("model_arg"), str) and isinstance(meta.get("weight_dtype"), str):
+        policy = "auto" if meta.get("weight_formats") else meta["weight_dtype"]
         hint = ("convert the weights again with "
-                f"`{_pack_command(meta['model_arg'], meta['weight_dtype'], path)}`")
+                f"`{_pack_command(meta['model_arg'], policy, path)}`")
     if meta.get("weights_format") != WEIGHTS_FORMAT:
         raise WeightsError(f"{path}: weights_format {meta.get('weights_format')!r}, expected "
                            f"{WEIGHTS_FORMAT}; {hint}")

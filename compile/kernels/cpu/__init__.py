@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import functools
 
+from ...formats import FORMATS
 from ..registry import KernelSet
-from . import attention, batch, gemv, linear, norm, rope_kv
+from . import attention, batch, gemv, linear, norm, quant, rope_kv
 from .simd import K_BLOCK_LAYOUT
+
+
+def _by_format(float_factory, quant_factory):
+    """A factory ``(rows, K, weight format, ...)`` taking the float kernel for float32 /
+    float16 weights and the block-decoding one for a quantized format."""
+    def factory(rows, K, wfmt, *args, **kwargs):
+        chosen = quant_factory if FORMATS[wfmt].quantized else float_factory
+        return chosen(rows, K, wfmt, *args, **kwargs)
+
+    return factory
 
 
 def has_avx512(target) -> bool:
@@ -18,9 +29,13 @@ def has_avx512(target) -> bool:
 
 def cpu_kernels(avx512: bool = True) -> KernelSet:
     tiles = linear.TILES[avx512]
-    return KernelSet(norm.embedding, norm.rmsnorm, gemv.gemv, gemv.gemv_swiglu,
-                     functools.partial(linear.linear, tile=tiles["linear"]),
-                     functools.partial(linear.linear_swiglu, tile=tiles["swiglu"]),
+    return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
+                     _by_format(gemv.gemv, quant.gemv), _by_format(gemv.gemv_swiglu,
+                                                                   quant.gemv_swiglu),
+                     _by_format(functools.partial(linear.linear, tile=tiles["linear"]),
+                                functools.partial(quant.linear, tile=tiles["linear"])),
+                     _by_format(functools.partial(linear.linear_swiglu, tile=tiles["swiglu"]),
+                                functools.partial(quant.linear_swiglu, tile=tiles["swiglu"])),
                      rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,

@@ -1,0 +1,338 @@
+"""CPU kernels over quantized weights (``formats.py``): the packed blocks are read as stored and
+decoded in registers; no dequantized copy of a matrix outlives a call.
+
+Decode GEMV (optionally fused with the RMSNorm before it, or SwiGLU): the input vector is
+quantized once per call to int8 in blocks of 32 (``dx = max|x| / 127``, round half to even), as
+llama.cpp's decode does, and each weight block's contribution is an integer dot product
+(``pmaddubsw`` + ``pmaddwd``, four int32 lanes) scaled by ``d * dx``, plus the format's offset
+term (Q4_1's m, Q4_0's -8 d) times ``dx * sum(xq)``, precomputed per block.  Four blocks of a
+row run in four independent accumulators.  Rows are shared out in 16-row units as the float
+GEMV's are (``claimed_units``).
+
+Prefill / batched matmul: each parallel task decodes its tile of weight rows to float32 once
+(a scratch of ``TN x K``) and runs the float register tile of ``linear.py`` over its block of
+up to 64 tokens, so decoding costs once per 64 tokens, and activations stay float32.
+
+Embedding: the rows of the ids, decoded.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from ...formats import FORMATS, QBLOCK
+from ...params import GATE_UP_ROWS
+from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
+from ..signatures import gemv_func, matmul_func
+from .fastmath import fexp
+from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros
+from .linear import DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag
+from .simd import VL, claimed_units, prefetch_ahead_macro, scratch_buffer
+
+ACCS = 4  # independent accumulators per row (blocks in flight)
+PREFETCH_BYTES = 1024  # how far ahead of the row's read position its bytes are prefetched
+
+
+def _storage(fmt, N: int, K: int) -> tuple:
+    return fmt.storage(N, K)[0]
+
+
+def as_int8(W):
+    return T.decl_buffer(W.shape, "int8", data=W.data)
+
+
+def as_f16(W):
+    return T.decl_buffer((W.shape[0], W.shape[1] // 2), "float16", data=W.data)
+
+
+def _x_quantizer(K: int):
+    """``quantize(xs, xq, xd, xsum)``: xq (K,) int8, xd (K/32,) the blocks' dx, xsum (K/32,)
+    ``dx * sum(xq)`` over each block; xs (1, K) float32."""
+    NB = K // QBLOCK
+
+    @T.macro
+    def quantize(xs, xq, xd, xsum):
+        st = T.decl_buffer((3,), "float32")  # max |x|, 1 / dx, sum of xq
+        for b in range(NB):
+            st[0] = T.float32(0)
+            for j in range(QBLOCK):
+                st[0] = T.max(st[0], T.fabs(xs[0, b * QBLOCK + j]))
+            xd[b] = st[0] / T.float32(127)
+            st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(127) / st[0], T.float32(0))
+            st[2] = T.float32(0)
+            for j in range(QBLOCK):
+                xq[b * QBLOCK + j] = T.Cast("int8", T.nearbyint(xs[0, b * QBLOCK + j] * st[1]))
+                st[2] = st[2] + T.Cast("float32", xq[b * QBLOCK + j])
+            xsum[b] = st[2] * xd[b]
+
+    return quantize
+
+
+def _row_dot(fmt, K: int):
+    """``dot(W, Wi, Wh, xq, xd, xsum, Y, r, c)``: Y[r] = row c of W . x (x as quantized)."""
+    NB = K // QBLOCK
+    BB = fmt.block_bytes
+    prefetch = prefetch_ahead_macro(64, "uint8", PREFETCH_BYTES)
+
+    @T.macro
+    def block(Wv, c, b, xq, xd, xsum, acc, macc, a):
+        acc[a, T.ramp(0, 1, 4)] = acc[a, T.ramp(0, 1, 4)] + T.Cast(
+            "float32x4", fmt.int_dot(Wv, c, b, xq, b * QBLOCK)) * T.broadcast(
+            fmt.scale(Wv, c, b) * xd[b], 4)
+        if fmt.has_offset:
+            macc[a] = macc[a] + fmt.offset(Wv, c, b) * xsum[b]
+
+    @T.macro
+    def dot(W, Wi, Wh, xq, xd, xsum, Y, r, c):
+        acc = T.decl_buffer((ACCS, 4), "float32")
+        macc = T.decl_buffer((ACCS,), "float32")
+        for a in T.unroll(ACCS):
+            acc[a, T.ramp(0, 1, 4)] = T.broadcast(T.float32(0), 4)
+            macc[a] = T.float32(0)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), "uint8", data=W.data)
+        for bo in range(NB // ACCS):
+            prefetch(flat, c * (NB * BB) + bo * (ACCS * BB))
+            for a in T.unroll(ACCS):
+                block((W, Wi, Wh), c, bo * ACCS + a, xq, xd, xsum, acc, macc, a)
+        for a in T.unroll(NB % ACCS):
+            block((W, Wi, Wh), c, NB // ACCS * ACCS + a, xq, xd, xsum, acc, macc, a)
+        for v in T.vectorized(4):
+            acc[0, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
+        Y[r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])
+                + ((macc[0] + macc[1]) + (macc[2] + macc[3])))
+
+    return dot
+
+
+def _prepare_x(K: int, eps: float, norm: bool):
+    """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call."""
+    normalize = _macros(K, eps, "float32")[0]
+    quantize = _x_quantizer(K)
+
+    @T.macro
+    def prepare(x, g, xq, xd, xsum):
+        if norm:
+            xn = T.decl_buffer((1, K), "float32")
+            normalize(x, g, xn)
+            quantize(xn, xq, xd, xsum)
+        else:
+            quantize(x, xq, xd, xsum)
+
+    return prepare
+
+
+def _check_fits(fmt, K: int):
+    if not fmt.fits(K):
+        raise ValueError(f"{fmt.name} stores rows in blocks of {fmt.block}; K={K} is not a "
+                         "multiple")
+
+
+@cached
+def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None):
+    """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    norm, NB = norm_eps is not None, K // QBLOCK
+    prepare = _prepare_x(K, norm_eps or 0.0, norm)
+    dot = _row_dot(fmt, K)
+    run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
+
+    @T.macro
+    def unit(lane, u, W, xq, xd, xsum, y, bias, res):
+        Wi, Wh = as_int8(W), as_f16(W)
+        Y = T.decl_buffer((RG,), "float32")
+        for r in range(RG):
+            if u * RG + r < N:
+                dot(W, Wi, Wh, xq, xd, xsum, Y, r, u * RG + r)
+        for r in range(RG):
+            if u * RG + r < N:
+                if epilogue == "bias":
+                    y[0, u * RG + r] = Y[r] + bias[u * RG + r]
+                elif epilogue == "residual":
+                    y[0, u * RG + r] = Y[r] + res[0, u * RG + r]
+                else:
+                    y[0, u * RG + r] = Y[r]
+
+    @T.macro
+    def body(x, g, W, y, bias, res):
+        xq = T.decl_buffer((K,), "int8")
+        xd = T.decl_buffer((NB,), "float32")
+        xsum = T.decl_buffer((NB,), "float32")
+        prepare(x, g, xq, xd, xsum)
+        run_units(unit, W, xq, xd, xsum, y, bias, res)
+
+    func = gemv_func(body, N, K, "uint8", epilogue, norm, _storage(fmt, N, K))
+    tag = "_norm" if norm else ""
+    return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{wfmt}")
+
+
+@cached
+def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
+    """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g, W (2I, K) quantized, gate and up
+    rows in alternating runs (``params.gate_up_row``)."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    NB = K // QBLOCK
+    prepare = _prepare_x(K, norm_eps, True)
+    dot = _row_dot(fmt, K)
+    UT = SWIGLU_UNIT_TILES
+    UR = RG * UT
+    run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
+    assert RG == GATE_UP_ROWS
+    gate_row, up_row = gate_up_rows(I)
+
+    @T.macro
+    def unit(lane, u, W, xq, xd, xsum, act):
+        Wi, Wh = as_int8(W), as_f16(W)
+        gate = T.decl_buffer((UR,), "float32")
+        up = T.decl_buffer((UR,), "float32")
+        for t in range(UT):
+            for r in range(RG):
+                if u * UR + t * RG + r < I:
+                    dot(W, Wi, Wh, xq, xd, xsum, gate, t * RG + r, gate_row(u * UR + t * RG) + r)
+                    dot(W, Wi, Wh, xq, xd, xsum, up, t * RG + r, up_row(u * UR + t * RG) + r)
+                else:
+                    gate[t * RG + r] = T.float32(0)
+                    up[t * RG + r] = T.float32(0)
+        for r in T.vectorized(UR):
+            gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
+        for r in range(T.min(UR, I - u * UR)):
+            act[0, u * UR + r] = gate[r]
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
+             W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), act: T.Buffer((1, I), "float32")):
+        with T.sblock("root"):
+            xq = T.decl_buffer((K,), "int8")
+            xd = T.decl_buffer((NB,), "float32")
+            xsum = T.decl_buffer((NB,), "float32")
+            prepare(x, g, xq, xd, xsum)
+            run_units(unit, W, xq, xd, xsum, act)
+
+    return finalize(func, f"gemv_swiglu_{I}x{K}_{wfmt}")
+
+
+def _row_decoder(fmt, K: int):
+    """``decode(W, Wi, Wh, out, o, c)``: out[o, :] = row c of W as float32."""
+    NB = K // QBLOCK
+
+    @T.macro
+    def decode(W, Wi, Wh, out, o, c):
+        for b in range(NB):
+            out[o, T.ramp(b * QBLOCK, 1, 16)] = fmt.dequant16((W, Wi, Wh), c, b, 0)
+            out[o, T.ramp(b * QBLOCK + 16, 1, 16)] = fmt.dequant16((W, Wi, Wh), c, b, 1)
+
+    return decode
+
+
+@cached
+def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE):
+    """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``."""
+    assert epilogue in EPILOGUES
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
+    acc_main = _reduce_macro(K, "float32", TM, TN)
+    acc_tail = _reduce_macro(K, "float32", 1, TN)
+    decode = _row_decoder(fmt, K)
+    NT = N // TN
+    m0, co, rows = _task(NT)
+
+    @T.macro
+    def store(y, acc, m0, c0, rows, bias, res):
+        for r, c in T.grid(rows, TN):
+            if epilogue == "bias":
+                y[m0 + r, c0 + c] = acc[r, c, 0] + bias[c0 + c]
+            elif epilogue == "residual":
+                y[m0 + r, c0 + c] = acc[r, c, 0] + res[m0 + r, c0 + c]
+            else:
+                y[m0 + r, c0 + c] = acc[r, c, 0]
+
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        Wi, Wh = as_int8(W), as_f16(W)
+        for task in T.parallel((n + MB - 1) // MB * NT):
+            wt = T.decl_buffer((TN, K), "float32", scope="local")
+            for c in range(TN):
+                decode(W, Wi, Wh, wt, c, co(task) * TN + c)
+            acc = scratch_buffer((TM, TN, VL))
+            for mo in range(rows(task, n) // TM):
+                acc_main(x, wt, acc, m0(task) + mo * TM, 0)
+                store(y, acc, m0(task) + mo * TM, co(task) * TN, TM, bias, res)
+            for mt in range(rows(task, n) % TM):
+                acc_tail(x, wt, acc, m0(task) + rows(task, n) // TM * TM + mt, 0)
+                store(y, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1,
+                      bias, res)
+
+    func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
+    return finalize(func, f"matmul_{epilogue}_{N}x{K}_{wfmt}{_tile_tag(tile)}")
+
+
+@cached
+def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
+    """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
+    in alternating runs."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
+    assert GATE_UP_ROWS % TN == 0
+    gate_row, up_row = gate_up_rows(I)
+    NT = I // TN
+    m0, co, rows = _task(NT)
+    acc_main = _reduce_macro(K, "float32", TM, TN)
+    acc_tail = _reduce_macro(K, "float32", 1, TN)
+    decode = _row_decoder(fmt, K)
+    n = token_dim(None)
+
+    @T.macro
+    def store(act, g, u, m0, c0, rows):
+        for r, c in T.grid(rows, TN):
+            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
+
+    @T.prim_func(s_tir=True)
+    def func(var_x: T.handle, W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), var_act: T.handle):
+        x = T.match_buffer(var_x, (n, K), "float32")
+        act = T.match_buffer(var_act, (n, I), "float32")
+        with T.sblock("root"):
+            Wi, Wh = as_int8(W), as_f16(W)
+            for task in T.parallel((n + MB - 1) // MB * NT):
+                wt = T.decl_buffer((2 * TN, K), "float32", scope="local")  # gate rows, up rows
+                for c in range(TN):
+                    decode(W, Wi, Wh, wt, c, gate_row(co(task) * TN) + c)
+                    decode(W, Wi, Wh, wt, TN + c, up_row(co(task) * TN) + c)
+                g = scratch_buffer((TM, TN, VL))
+                u = scratch_buffer((TM, TN, VL))
+                for mo in range(rows(task, n) // TM):
+                    acc_main(x, wt, g, m0(task) + mo * TM, 0)
+                    acc_main(x, wt, u, m0(task) + mo * TM, TN)
+                    store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
+                for mt in range(rows(task, n) % TM):
+                    acc_tail(x, wt, g, m0(task) + rows(task, n) // TM * TM + mt, 0)
+                    acc_tail(x, wt, u, m0(task) + rows(task, n) // TM * TM + mt, TN)
+                    store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+
+    return finalize(func, f"matmul_swiglu_{I}x{K}_{wfmt}{_tile_tag(tile)}")
+
+
+@cached
+def embedding(V: int, H: int, wfmt: str, n_static: int | None = None):
+    """The decoded rows of the ids; an id outside [0, V) fails the call before any write."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, H)
+    n = token_dim(n_static)
+    decode = _row_decoder(fmt, H)
+
+    @T.prim_func(s_tir=True)
+    def func(var_ids: T.handle, table: T.Buffer(_storage(fmt, V, H), "uint8"),
+             var_x: T.handle):
+        ids = T.match_buffer(var_ids, (n,), "int32")
+        x = T.match_buffer(var_x, (n, H), "float32")
+        with T.sblock("root"):
+            for i in range(n):
+                assert 0 <= ids[i] and ids[i] < V, "token id out of range of the vocabulary"
+            Wi, Wh = as_int8(table), as_f16(table)
+            for i in range(n):
+                decode(table, Wi, Wh, x, i, T.Cast("int64", ids[i]))
+
+    tag = "dec" if n_static == 1 else "pre"
+    return finalize(func, f"embedding_{tag}_{V}x{H}_{wfmt}")
