@@ -86,8 +86,8 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
 # The build side's modules that shape the compiled library (graph, kernels, parameter layout,
 # target and device-code handling).  Weight conversion, the tokenizer export, the cache, the
 # API, the CLI and the benchmark do not: editing them keeps every artifact key.
-FINGERPRINTED = ("build.py", "config.py", "device_code.py", "kernels", "model.py", "params.py",
-                 "rope.py", "targets.py")
+FINGERPRINTED = ("build.py", "config.py", "device_code.py", "formats.py", "kernels", "model.py",
+                 "params.py", "rope.py", "targets.py")
 
 
 def source_fingerprint(root: Path, parts=FINGERPRINTED) -> str:

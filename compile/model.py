@@ -27,6 +27,7 @@ import tvm
 from tvm import relax, tirx
 
 from .config import ModelConfig
+from .formats import FORMATS
 from .kernels.registry import KernelSet, kernels_for
 from .params import param_specs
 from .rope import rope_inv_freq
@@ -150,9 +151,14 @@ class _Builder:
         if not self.decode:  # only the last position's logits
             x = self.call(self.k.rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]],
                           (1, h))
-            return self.call(self.k.gemv(v, h, self.fmt[head]), [x, p[head]], (1, v))
-        return self.call(self.k.gemv(v, h, self.fmt[head], "none", eps),
+            return self.call(self.k.gemv(v, h, self.fmt[head], **self.head_opts(head)),
+                             [x, p[head]], (1, v))
+        return self.call(self.k.gemv(v, h, self.fmt[head], "none", eps, **self.head_opts(head)),
                          [x, p["final_norm"], p[head]], (1, v))
+
+    def head_opts(self, head: str) -> dict:
+        """A quantized LM head reads float32 activations (``kernels.cpu.quant.gemv``)."""
+        return {"float_x": True} if FORMATS[self.fmt[head]].quantized else {}
 
 
 def _per_call_inputs(n: int) -> dict:

@@ -120,9 +120,10 @@ LOGIT_TOL = {"float32": 1e-4, "float16": 5e-2}
 # activations quantized the same way; float32 sums in another order), relative to the output's
 # largest magnitude.  SmolLM2's native Q4_1 / Q8_0 logits against transformers' float32
 # dequantization of the same file: the int8 activation rounding of every decode GEMV, through
-# 30 layers, on logits of magnitude ~20 (prefill reads float32 activations: tighter).
+# 30 layers, on logits of magnitude ~20 (prefill, and the LM head, read float32 activations:
+# tighter).
 QUANT_KERNEL_RTOL = 1e-5
-SMOL_NATIVE_LOGIT_TOL = {"prefill": 2e-3, "decode": 1.0}
+SMOL_NATIVE_LOGIT_TOL = {"prefill": 0.05, "decode": 1.5}
 # A random checkpoint quantized by our quantizer: greedy logits within this distance (max abs,
 # relative to the float model's largest logit) of the float32 model's.
 QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2}

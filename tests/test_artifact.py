@@ -58,7 +58,8 @@ EDITS = {"compile/cache.py": False, "compile/api.py": False, "compile/weights.py
          "compile/tokenizer_export.py": False, "bench/run.py": False, "bench/report.py": False,
          "cli.py": False, "compile/kernels/cpu/gemv.py": True,
          "compile/kernels/gpu/attention.py": True, "compile/kernels/common.py": True,
-         "compile/model.py": True, "compile/params.py": True}
+         "compile/model.py": True, "compile/params.py": True, "compile/formats.py": True,
+         "compile/kernels/cpu/quant.py": True}
 
 
 @pytest.mark.parametrize("rel", EDITS)
@@ -84,7 +85,7 @@ def test_fields_cover_the_documented_key():
     assert set(fields) == {"model", "max_blocks_cap", "block_size", "cache_dtype",
                            "weight_dtype", "target", "exec_mode", "tvm_version",
                            "package_version", "abi_version", "compiler", "k_block_layout",
-                           "batch_buckets"}
+                           "batch_buckets", "weight_formats"}
     assert "mcpu" in fields["target"]
     # the CPU kernels store K blocks [dim, slot], the GPU kernels [slot, dim]
     assert fields["k_block_layout"] == K_BLOCK_LAYOUT == "dim-major"

@@ -120,8 +120,9 @@ SHAPES = [(40, 32), (130, 160), (1000, 576)]
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("N,K", SHAPES)
-@pytest.mark.parametrize("variant", ["none", "residual", "norm", "norm_bias"])  # as the model uses them
+@pytest.mark.parametrize("N,K,variant", [(*SHAPES[0], "none"), (*SHAPES[1], "residual"),
+                                         (*SHAPES[2], "norm"), (*SHAPES[1], "norm_bias"),
+                                         (*SHAPES[1], "float_x"), (*SHAPES[2], "norm_float_x")])
 def test_quantized_gemv(fmt, N, K, variant):
     rng = np.random.default_rng(2)
     packed, Wd = _weights(fmt, N, K)
@@ -129,10 +130,10 @@ def test_quantized_gemv(fmt, N, K, variant):
     g = rng.uniform(0.5, 1.5, K).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     res = rng.standard_normal((1, N)).astype(np.float32)
-    norm = variant.startswith("norm")
-    epilogue = {"norm": "none", "norm_bias": "bias"}.get(variant, variant)
+    norm, float_x = variant.startswith("norm"), variant.endswith("float_x")
+    epilogue = {"norm_bias": "bias", "residual": "residual"}.get(variant, "none")
     xs = _rmsnorm(x, g, 1e-5) if norm else x
-    want = Wd @ _x_as_quantized(xs[0]).astype(np.float64)
+    want = Wd @ (xs[0] if float_x else _x_as_quantized(xs[0])).astype(np.float64)
     args = [_t(x)] + ([_t(g)] if norm else []) + [_t(packed)]
     if epilogue == "bias":
         args.append(_t(bias))
@@ -141,7 +142,7 @@ def test_quantized_gemv(fmt, N, K, variant):
         args.append(_t(res))
         want = want + res[0]
     y = _t(np.zeros((1, N), np.float32))
-    _compiled(quant.gemv, N, K, fmt, epilogue, 1e-5 if norm else None)(*args, y)
+    _compiled(quant.gemv, N, K, fmt, epilogue, 1e-5 if norm else None, float_x)(*args, y)
     _close(y.numpy()[0], want)
 
 

@@ -10,7 +10,7 @@ from paged_decode.bench.baselines import hf_forward
 from paged_decode.runtime.kv_pool import k_rows
 from paged_decode.runtime.session import PagedDecodeSession
 
-from .conftest import LOGIT_TOL, TOL, _randomize, _save, make_pool
+from .conftest import LOGIT_TOL, TOL, _randomize, _save, make_pool, QUANT_MODEL_RTOL
 
 PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
 STEPS = 48
@@ -120,3 +120,36 @@ def test_pool_holds_hf_keys_and_values(load, llama_ckpt, block_size):
                                    atol=TOL["float32"], rtol=TOL["float32"])
         np.testing.assert_allclose(ours_v, past.layers[layer].values[0].numpy(),
                                    atol=TOL["float32"], rtol=TOL["float32"])
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
+    """A float checkpoint quantized by our quantizer: the pack dequantizes to what gguf's own
+    quantize -> dequantize gives, the LM head is Q8_0, and generation stays near float32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file
+
+    from paged_decode.compile.formats import FORMATS
+    from paged_decode.compile.weights import resolve_model
+
+    opts = {"block_size": 4, "max_context": 64}
+    a32, w32 = load(llama_ckpt.path, **opts)
+    aq, wq = load(llama_ckpt.path, weight_dtype=fmt, **opts)
+    assert aq.manifest.weight_dtype == fmt
+    assert aq.manifest.key["weight_formats"] == ({} if fmt == "q8_0" else {"lm_head": "q8_0"})
+    packed = load_file(str(build(llama_ckpt.path, weight_dtype=fmt, **opts).weights_dir
+                           / "params.safetensors"))
+    floats = resolve_model(str(llama_ckpt.path)).load_params("float32")
+    qtype = GGMLQuantizationType[FORMATS[fmt].gguf_type]
+    for name in ("layers.0.wqkv", "layers.1.w_gate_up", "layers.0.w_down", "embed"):
+        K = floats[name].shape[1]
+        np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed[name], K),
+                                      dequantize(quantize(floats[name], qtype), qtype)
+                                      .reshape(floats[name].shape), err_msg=name)
+    assert packed["lm_head"].dtype == np.uint8
+    l32, t32 = run_ours(a32, w32, PROMPT, 8)
+    lq, tq = run_ours(aq, wq, PROMPT, 8)
+    assert len(tq) == len(t32)
+    scale = np.abs(l32[0]).max()
+    np.testing.assert_allclose(lq[0], l32[0], atol=QUANT_MODEL_RTOL[fmt] * scale, rtol=0)

@@ -104,8 +104,45 @@ def _row_dot(fmt, K: int):
     return dot
 
 
-def _prepare_x(K: int, eps: float, norm: bool):
-    """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call."""
+def _row_dot_float(fmt, K: int):
+    """``dot(W, Wi, Wh, xs, _, _, Y, r, c)``: Y[r] = row c of W . xs with float32 xs (1, K),
+    each block decoded to float32 in registers (the LM head: see ``gemv``)."""
+    NB = K // QBLOCK
+    BB = fmt.block_bytes
+    prefetch = prefetch_ahead_macro(64, "uint8", PREFETCH_BYTES)
+
+    @T.macro
+    def block(Wv, c, b, xs, acc, a):
+        acc[a, T.ramp(0, 1, 16)] = (acc[a, T.ramp(0, 1, 16)]
+                                    + fmt.dequant16(Wv, c, b, 0) * xs[0, T.ramp(b * 32, 1, 16)]
+                                    + fmt.dequant16(Wv, c, b, 1)
+                                    * xs[0, T.ramp(b * 32 + 16, 1, 16)])
+
+    @T.macro
+    def dot(W, Wi, Wh, xs, _xd, _xsum, Y, r, c):
+        acc = T.decl_buffer((ACCS, 16), "float32")
+        for a in T.unroll(ACCS):
+            acc[a, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), "uint8", data=W.data)
+        for bo in range(NB // ACCS):
+            prefetch(flat, c * (NB * BB) + bo * (ACCS * BB))
+            for a in T.unroll(ACCS):
+                block((W, Wi, Wh), c, bo * ACCS + a, xs, acc, a)
+        for a in T.unroll(NB % ACCS):
+            block((W, Wi, Wh), c, NB // ACCS * ACCS + a, xs, acc, a)
+        for v in T.vectorized(16):
+            acc[0, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
+        for v in T.vectorized(8):
+            acc[0, v] = acc[0, v] + acc[0, v + 8]
+        Y[r] = (((acc[0, 0] + acc[0, 4]) + (acc[0, 1] + acc[0, 5]))
+                + ((acc[0, 2] + acc[0, 6]) + (acc[0, 3] + acc[0, 7])))
+
+    return dot
+
+
+def _prepare_x(K: int, eps: float, norm: bool, float_x: bool = False):
+    """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (with
+    ``float_x``: xq is a float32 (1, K) copy of x, or its norm)."""
     normalize = _macros(K, eps, "float32")[0]
     quantize = _x_quantizer(K)
 
@@ -118,7 +155,15 @@ def _prepare_x(K: int, eps: float, norm: bool):
         else:
             quantize(x, xq, xd, xsum)
 
-    return prepare
+    @T.macro
+    def prepare_float(x, g, xs, _xd, _xsum):
+        if norm:
+            normalize(x, g, xs)
+        else:
+            for k in T.vectorized(K):
+                xs[0, k] = x[0, k]
+
+    return prepare_float if float_x else prepare
 
 
 def _check_fits(fmt, K: int):
@@ -128,13 +173,17 @@ def _check_fits(fmt, K: int):
 
 
 @cached
-def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None):
-    """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``."""
+def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
+         float_x: bool = False):
+    """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``float_x``: x stays
+    float32 and each block is decoded to float32 (the LM head, whose logits pick the token:
+    int8 activations there flip near ties; docs/design.md)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     norm, NB = norm_eps is not None, K // QBLOCK
-    prepare = _prepare_x(K, norm_eps or 0.0, norm)
-    dot = _row_dot(fmt, K)
+    prepare = _prepare_x(K, norm_eps or 0.0, norm, float_x)
+    dot = _row_dot_float(fmt, K) if float_x else _row_dot(fmt, K)
+    xshape, xdt = ((1, K), "float32") if float_x else ((K,), "int8")
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
@@ -155,14 +204,14 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
 
     @T.macro
     def body(x, g, W, y, bias, res):
-        xq = T.decl_buffer((K,), "int8")
+        xq = T.decl_buffer(xshape, xdt)
         xd = T.decl_buffer((NB,), "float32")
         xsum = T.decl_buffer((NB,), "float32")
         prepare(x, g, xq, xd, xsum)
         run_units(unit, W, xq, xd, xsum, y, bias, res)
 
     func = gemv_func(body, N, K, "uint8", epilogue, norm, _storage(fmt, N, K))
-    tag = "_norm" if norm else ""
+    tag = ("_norm" if norm else "") + ("_fx" if float_x else "")
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{wfmt}")
 
 
