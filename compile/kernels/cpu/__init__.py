@@ -10,14 +10,16 @@ from . import attention, batch, gemv, linear, norm, quant, rope_kv
 from .simd import K_BLOCK_LAYOUT
 
 
-def _by_format(float_factory, quant_factory):
-    """A factory ``(rows, K, weight format, ...)`` taking the float kernel for float32 /
-    float16 weights and the block-decoding one for a quantized format."""
-    def factory(rows, K, wfmt, *args, **kwargs):
-        chosen = quant_factory if FORMATS[wfmt].quantized else float_factory
-        return chosen(rows, K, wfmt, *args, **kwargs)
+def _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs):
+    chosen = quant_factory if FORMATS[wfmt].quantized else float_factory
+    return chosen(rows, K, wfmt, *args, **kwargs)
 
-    return factory
+
+def _by_format(float_factory, quant_factory, **keywords):
+    """A factory ``(rows, K, weight format, ...)`` taking the float kernel for float32 /
+    float16 weights and the block-decoding one for a quantized format; ``keywords`` (the
+    register tile) go to both and stay readable as the partial's ``keywords``."""
+    return functools.partial(_pick, float_factory, quant_factory, **keywords)
 
 
 def has_avx512(target) -> bool:
@@ -32,10 +34,9 @@ def cpu_kernels(avx512: bool = True) -> KernelSet:
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
                      _by_format(gemv.gemv, quant.gemv), _by_format(gemv.gemv_swiglu,
                                                                    quant.gemv_swiglu),
-                     _by_format(functools.partial(linear.linear, tile=tiles["linear"]),
-                                functools.partial(quant.linear, tile=tiles["linear"])),
-                     _by_format(functools.partial(linear.linear_swiglu, tile=tiles["swiglu"]),
-                                functools.partial(quant.linear_swiglu, tile=tiles["swiglu"])),
+                     _by_format(linear.linear, quant.linear, tile=tiles["linear"]),
+                     _by_format(linear.linear_swiglu, quant.linear_swiglu,
+                                tile=tiles["swiglu"]),
                      rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,

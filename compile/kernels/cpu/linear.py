@@ -74,15 +74,9 @@ def _reduce_macro(K, wdt, TM, TN):
     return accumulate
 
 
-@cached
-def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
-    """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n; ``tile`` = (tokens, at
-    most this many weight rows) per register tile."""
-    assert epilogue in EPILOGUES
-    TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
-    acc_main = _reduce_macro(K, wdt, TM, TN)
-    acc_tail = _reduce_macro(K, wdt, 1, TN)
-
+def store_macro(epilogue: str, TN: int):
+    """``store(y, acc, m0, c0, rows, bias, res)``: the reduced tile plus its epilogue into
+    y[m0 : m0 + rows, c0 : c0 + TN]."""
     @T.macro
     def store(y, acc, m0, c0, rows, bias, res):
         for r, c in T.grid(rows, TN):
@@ -92,6 +86,20 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
                 y[m0 + r, c0 + c] = acc[r, c, 0] + res[m0 + r, c0 + c]
             else:
                 y[m0 + r, c0 + c] = acc[r, c, 0]
+
+    return store
+
+
+@cached
+def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
+    """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n; ``tile`` = (tokens, at
+    most this many weight rows) per register tile."""
+    assert epilogue in EPILOGUES
+    TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
+    acc_main = _reduce_macro(K, wdt, TM, TN)
+    acc_tail = _reduce_macro(K, wdt, 1, TN)
+
+    store = store_macro(epilogue, TN)
 
     NT = N // TN
     m0, co, rows = _task(NT)

@@ -26,7 +26,7 @@ from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token
 from ..signatures import gemv_func, matmul_func
 from .fastmath import fexp
 from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros
-from .linear import DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag
+from .linear import DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro
 from .simd import VL, claimed_units, prefetch_ahead_macro, scratch_buffer
 
 ACCS = 4  # independent accumulators per row (blocks in flight)
@@ -287,15 +287,7 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE)
     NT = N // TN
     m0, co, rows = _task(NT)
 
-    @T.macro
-    def store(y, acc, m0, c0, rows, bias, res):
-        for r, c in T.grid(rows, TN):
-            if epilogue == "bias":
-                y[m0 + r, c0 + c] = acc[r, c, 0] + bias[c0 + c]
-            elif epilogue == "residual":
-                y[m0 + r, c0 + c] = acc[r, c, 0] + res[m0 + r, c0 + c]
-            else:
-                y[m0 + r, c0 + c] = acc[r, c, 0]
+    store = store_macro(epilogue, TN)
 
     @T.macro
     def body(x, W, y, bias, res, n):
