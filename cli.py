@@ -71,10 +71,11 @@ def build_options(fn):
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
         click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
                      show_default=True, type=click.Choice(
-                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1"]),
+                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1", "q4_k",
+                          "q5_k", "q6_k"]),
                      help="how matrices are stored and read: auto keeps a GGUF's own formats "
                      "(float32 for HF checkpoints); float32 / float16 dequantize; q8_0 / q4_0 "
-                     "/ q4_1 quantize (the LM head in q8_0)"),
+                     "/ q4_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0)"),
         click.option("--batch-buckets", default=None, type=_Buckets(),
                      help="rows of each compiled batched decode step, e.g. 2,4,8, or none "
                      "(default: 2,4,8,16,32 on the CPU, none on GPUs)"),
@@ -320,9 +321,13 @@ def cache_cmd(artifacts, clear):
 @click.option("--model", "models", multiple=True, default=["tiny"], show_default=True,
               help="presets / model paths to measure (repeatable)")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path())
-@click.option("--dtype", "dtypes", multiple=True, type=DTYPE,
+@click.option("--dtype", "dtypes", multiple=True,
+              type=click.Choice(["float32", "float16", "gguf", "q4_0", "q4_1", "q8_0",
+                                 "q4_k_m"]),
               default=["float32", "float16"], show_default=True,
-              help="weight and KV-cache dtype (repeatable)")
+              help="weight and KV-cache dtype (repeatable); quantized: gguf (a GGUF model's "
+              "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "
+              "model, read by both engines, KV cache float16")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
               help="rounds of back-to-back measurements, ratios paired per round "

@@ -48,7 +48,7 @@ def hf_model(cfg: ModelConfig, params: dict, dtype: str):
                      rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
                      max_position_embeddings=max(cfg.max_position_embeddings, 2048))
     model = LlamaForCausalLM(hc).eval()
-    state = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in
+    state = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in
              _split_params(cfg, params).items()}
     model.load_state_dict(state, strict=False)
     return model.to(getattr(torch, dtype))
@@ -140,6 +140,32 @@ def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
     return out
 
 
+# paged-bench's quantized kinds: llama.cpp's ftype names (its own quantizer makes the file)
+LLAMA_FTYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+
+
+def quantize_gguf(src: Path, out: Path, kind: str, threads: int) -> Path:
+    """``src`` (a float16 GGUF) quantized by llama.cpp's ``llama_model_quantize`` to ``kind``
+    (a key of ``LLAMA_FTYPES``), so both engines read identical bytes."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_FTYPES[kind]}")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src.name} -> {kind}) returned {rc}")
+    return out
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM), MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def llamacpp_available() -> str | None:
     """None when llama-cpp-python imports, else the reason it cannot be used."""
     if importlib.util.find_spec("llama_cpp") is None:
@@ -177,6 +203,7 @@ def llamacpp_server(conn, gguf_path: str, n_ctx: int, threads: int, cache_dtype:
     from llama_cpp import Llama
 
     ggml_type = {"float32": 0, "float16": 1}[cache_dtype]
+    rss_before = peak_rss_mb()
     llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 n_batch=512, verbose=False, type_k=ggml_type, type_v=ggml_type)
     rng, vocab, states = np.random.default_rng(0), llm.n_vocab(), {}
@@ -187,6 +214,9 @@ def llamacpp_server(conn, gguf_path: str, n_ctx: int, threads: int, cache_dtype:
         if req[0] == "close":
             conn.close()
             return
+        if req[0] == "rss":
+            conn.send({"peak_rss_mb": peak_rss_mb(), "before_load_mb": rss_before})
+            continue
         if req[0] == "decode":
             _, ctx, n_tokens, warmup_s = req
             if ctx not in states:
@@ -236,6 +266,10 @@ class LlamaCpp:
 
     def prefill_tps(self, n: int) -> float:
         return self._call_reply("prefill", n)
+
+    def rss(self) -> dict:
+        """The child's peak RSS so far and its RSS before loading the model, MB."""
+        return self._call_reply("rss")
 
     def close(self) -> None:
         if self._proc.is_alive():

@@ -103,14 +103,41 @@ def _engine_rows(run: dict, contexts) -> list[str]:
     return rows
 
 
+def _rss(res: dict) -> str:
+    r = res.get("peak_rss_mb")
+    return f"{r['peak_rss_mb']:.0f} MB ({r['before_load_mb']:.0f} before loading)" if r else "—"
+
+
+def _memory_lines(report: dict) -> list[str]:
+    """Weight formats and each engine's peak resident memory (its own process: load, a prefill
+    of the longest prompt, decode)."""
+    lines = ["", "Weights and peak resident memory (each engine in a process of its own):", "",
+             "| model | dtype | our weight formats | ours peak RSS | llama.cpp peak RSS |",
+             "|---|---|---|---|---|"]
+    for run in report["runs"]:
+        o, lc = run["ours"], run["baselines"].get("llama.cpp", {})
+        w = o.get("weights", {})
+        counts: dict[str, int] = {}
+        for k, v in w.items():
+            if k != "weight_dtype":
+                counts[v] = counts.get(v, 0) + 1
+        formats = w.get("weight_dtype", "?") + "".join(
+            f"; {n} matrices {f}" for f, n in sorted(counts.items()))
+        lines.append(f"| {run['model']} | {run['dtype']} | {formats} | {_rss(o)} | {_rss(lc)} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     contexts = report["settings"]["contexts"]
     bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f} "
                     f"({min(r['bandwidth_samples']):.1f}-{max(r['bandwidth_samples']):.1f})"
                     for r in report["runs"])
     blocks = sorted({r["block_size"] for r in report["runs"]})
-    lines = [f"Read bandwidth (GB/s, median (min-max) of the readings, "
-             f"{report['machine']['cpu_count']} cores): {bws}.  KV-cache blocks of "
+    machine = report["machine"]
+    lines = [f"CPU: {machine.get('cpu_model') or 'unknown'} "
+             f"({' '.join(machine.get('vector_extensions') or []) or 'extensions unknown'}).  "
+             f"Read bandwidth (GB/s, median (min-max) of the readings, "
+             f"{machine['cpu_count']} cores): {bws}.  KV-cache blocks of "
              f"{' / '.join(map(str, blocks))} tokens.", "",
              "ms/token at context, median of all readings (fraction of the bandwidth floor: "
              "median over the stable pairs, each against its own bandwidth readings, or over "
@@ -139,6 +166,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {run['model']} | {run['dtype']} | {_fmt(o['compile_seconds'], 1)} | "
                      f"{_fmt(o['load_seconds'])} | {_fmt_spread(o['paged_vs_contiguous'], 3)} | "
                      f"{_fmt(o['replan']['ratio'], 1)} | " + " | ".join(dec) + f" | {pre} |")
+    lines += _memory_lines(report)
     lines += _regime_lines(report, contexts)
     lines += _weights_read_lines(report, contexts)
     for run in report["runs"]:

@@ -269,19 +269,84 @@ def _spread(values) -> dict:
             "max": float(np.max(values)), "values": [float(v) for v in values]}
 
 
+# the vector extensions that decide which kernels fit a CPU (reported with each run)
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
+                "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
+
+
+def cpu_model() -> dict:
+    """``{"cpu_model", "vector_extensions"}`` from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu_model": platform.processor() or None, "vector_extensions": []}
+    fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name"),
+            "vector_extensions": [f for f in VECTOR_FLAGS if f in flags]}
+
+
 def _pause():
     time.sleep(SWITCH_PAUSE_S)
 
 
-def _start_llamacpp(source: ModelSource, dtype: str, n_ctx: int, workdir: Path, say):
-    """(engine, None), or (None, reason) when llama.cpp cannot run."""
+# quantized kinds: "gguf" (a GGUF model's own file, as stored) and llama.cpp's quantizer's
+# outputs from one float16 GGUF of the model; both engines read the same file, KV cache float16
+QUANT_KINDS = ("gguf", *baselines.LLAMA_FTYPES)
+
+
+def _bench_gguf(source: ModelSource, kind: str, workdir: Path, say) -> Path:
+    """The GGUF both engines read for quantized ``kind``."""
+    if kind == "gguf":
+        if source.kind != "gguf":
+            raise ValueError(f"--dtype gguf measures a GGUF model's own file; {source.path} "
+                             f"is a {source.kind} model: use --dtype {'/'.join(QUANT_KINDS[1:])}")
+        return source.path
+    reason = baselines.llamacpp_available()
+    if reason:
+        raise ValueError(f"--dtype {kind} is made by llama.cpp's quantizer: {reason}")
+    f16 = workdir / f"bench-{source.config.name}-float16.gguf"
+    if not f16.exists():
+        baselines.write_gguf(source.config, source.load_params("float32"), f16, "float16")
+    out = workdir / f"bench-{source.config.name}-{kind}.gguf"
+    if not out.exists():
+        say(f"  llama.cpp quantizer: {f16.name} -> {out.name}")
+        baselines.quantize_gguf(f16, out, kind, os.cpu_count() or 1)
+    return out
+
+
+def _start_llamacpp(source: ModelSource, dtype: str, n_ctx: int, workdir: Path, say,
+                    gguf: Path | None = None):
+    """(engine, None), or (None, reason) when llama.cpp cannot run; ``gguf``: the quantized
+    file both engines read (float16 KV cache), else one written in ``dtype``."""
     reason = baselines.llamacpp_available()
     if reason:
         return None, reason
-    gguf = baselines.write_gguf(source.config, source.load_params("float32"),
-                                workdir / f"bench-{dtype}.gguf", dtype)
+    if gguf is None:
+        gguf = baselines.write_gguf(source.config, source.load_params("float32"),
+                                    workdir / f"bench-{dtype}.gguf", dtype)
+    cache = "float16" if dtype in QUANT_KINDS else dtype
     say(f"  llama.cpp {dtype} on {gguf.name}")
-    return baselines.LlamaCpp(gguf, n_ctx, os.cpu_count() or 1, dtype), None
+    return baselines.LlamaCpp(gguf, n_ctx, os.cpu_count() or 1, cache), None
+
+
+def _ours_rss_child(artifact_dir: str, weights_dir: str, prompt: int, n_tokens: int) -> dict:
+    """In a fresh process: load the artifact and weights, prefill ``prompt`` tokens on a pool of
+    the artifact's capacity and decode ``n_tokens``; peak RSS then, and before loading (MB)."""
+    before = baselines.peak_rss_mb()
+    from paged_decode.runtime.artifact import load_artifact, load_weights
+    from paged_decode.runtime.kv_pool import PagedKVCache
+    from paged_decode.runtime.session import PagedDecodeSession
+
+    artifact = load_artifact(artifact_dir)
+    weights = load_weights(weights_dir, artifact)
+    pool = PagedKVCache.for_artifact(artifact, num_blocks=artifact.manifest.max_blocks_cap)
+    session, handle = PagedDecodeSession(artifact, weights, pool), pool.new_sequence()
+    logits = session.prefill(handle, list(range(1, prompt + 1)))
+    for _ in range(n_tokens):
+        logits = session.realize_token(handle, int(np.argmax(logits)))
+    return {"peak_rss_mb": baselines.peak_rss_mb(), "before_load_mb": before}
 
 
 def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) -> dict:
@@ -406,19 +471,29 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
     (tiny), HF eager."""
     max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
-    prepared = prepare(source, block_size=cfg["block_size"], max_context=max_ctx,
-                       cache_dtype=dtype, weight_dtype=dtype, artifacts=artifacts)
+    gguf = _bench_gguf(source, dtype, workdir, say) if dtype in QUANT_KINDS else None
+    if gguf is not None:  # the file's own formats, as llama.cpp reads it
+        prepared = prepare(resolve_model(str(gguf)), block_size=cfg["block_size"],
+                           max_context=max_ctx, cache_dtype="float16", weight_dtype="auto",
+                           artifacts=artifacts)
+    else:
+        prepared = prepare(source, block_size=cfg["block_size"], max_context=max_ctx,
+                           cache_dtype=dtype, weight_dtype=dtype, artifacts=artifacts)
     ours = _Ours(prepared)
     m = ours.m
-    lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say)
+    lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say, gguf)
     ctxs, big = cfg["contexts"], max(cfg["contexts"])
     bpt = {c: bytes_per_token(m, ours.weights, c) for c in ctxs}
     ours.weights_read_bytes  # compiles the read-only step now, not inside the first pair
     try:
         raw = _bracketed_rounds(ours, lc, cfg, say, bpt)
+        lc_rss = lc.rss() if lc is not None else None
     finally:
         if lc is not None:
             lc.close()
+    rss_prompt = max(cfg["prompts"])
+    ours_rss = _in_child(_ours_rss_child, str(prepared.artifact_dir), str(prepared.weights_dir),
+                         rss_prompt, cfg["n_tokens"])
     pairs = raw["pairs"]
     bw = [b for c in ctxs for p in pairs[c] for b in p["bandwidth_gbps"]]
     o_pre = raw["prefill_tps"]["ours"]
@@ -433,7 +508,9 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
     every_pair = [p for c in ctxs for p in pairs[c]]
     rs = "read_stable"
 
-    res = {"compile_seconds": m.compile_seconds, "cache_hit": prepared.cache_hit,
+    res = {"weights": {"weight_dtype": m.weight_dtype, **(m.key.get("weight_formats") or {})},
+           "peak_rss_mb": ours_rss,
+           "compile_seconds": m.compile_seconds, "cache_hit": prepared.cache_hit,
            "load_seconds": ours.load_seconds, "library_mb": m.library_bytes / 1e6,
            "decode_ms": {c: float(np.median([t for p in pairs[c] for t in p["ours_ms"]]))
                          for c in ctxs},
@@ -468,6 +545,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "decode_ms": {c: float(np.median([p["llama.cpp_ms"] for p in pairs[c]]))
                           for c in ctxs},
             "prefill_tps": {p: float(np.median(v)) for p, v in l_pre.items()},
+            "peak_rss_mb": lc_rss,
             "floor_fraction": {c: _over_pairs(pairs[c], lc_ff) for c in ctxs},
             "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, lc_ff) for c in ctxs}}
         # ours tok/s over llama.cpp's = their ms / ours, within each stable pair
@@ -478,7 +556,9 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
-    return {"model": model, "dtype": dtype, "block_size": m.block_size,
+    # tables name a model given as a path by its file or folder name; the path stays in JSON
+    return {"model": Path(model).name if os.sep in model else model, "model_arg": model,
+            "dtype": dtype, "block_size": m.block_size,
             "bandwidth_gbps": float(np.median(bw)),
             "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
@@ -509,7 +589,8 @@ def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
     if dtype != "float32":
-        return {"skipped": "HF eager float16 on CPU has no fast kernels; float32 only"}
+        return {"skipped": "HF eager float16 / quantized on CPU has no fast kernels; float32 "
+                "only"}
     say("  HF transformers eager float32")
     return _in_child(_hf_child, source, cfg)
 
@@ -528,7 +609,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     sources = {model: resolve_model(model) for model in models}
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                          "threads": os.environ.get("TVM_NUM_THREADS")},
+                          "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
               "runs": []}
     with tempfile.TemporaryDirectory() as work:

@@ -23,6 +23,7 @@ from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
 from .tokenizer_export import export_tokenizer
+from .kernels.cpu import has_avx2
 from .weights import ModelSource, resolve_formats, resolve_model
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,8 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
         raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
                           "batched decode kernels yet (the CPU has); build it with "
                           "--batch-buckets none")
-    base, formats = resolve_formats(source, weight_dtype, quantized_ok=tspec.kind == "llvm")
+    quantized_ok = tspec.kind == "llvm" and has_avx2(tspec.target)
+    base, formats = resolve_formats(source, weight_dtype, quantized_ok=quantized_ok)
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=base,
                      batch_buckets=batch_buckets, weight_formats=formats)

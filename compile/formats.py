@@ -6,12 +6,21 @@ pieces the CPU kernels build on (``dequant_block``, ``int_dot``: TIR, see
 ``kernels/cpu/quant.py``).  The kernels, the parameter layout, the weight loader and the
 quantizer look formats up here by name; adding a format is adding an object to ``FORMATS``.
 
-Quantized formats keep GGUF's block layout byte for byte: each matrix row is ``K / 32``
-blocks laid end to end, a block being float16 scale(s) then packed quants (``Q8_0``: d, 32
-int8; ``Q4_0``: d, 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, stored
-plus 8; ``Q4_1``: d, m, the same nibbles, w = d q + m).  A GGUF tensor in one of these formats
-is copied into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole
-rows, which a row-block layout allows.
+Quantized formats keep GGUF's block layout byte for byte: each matrix row is its blocks laid
+end to end.  The 32-weight formats: float16 scale(s) then packed quants (``Q8_0``: d, 32 int8;
+``Q4_0``: d, 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, stored plus 8;
+``Q4_1``: d, m, the same nibbles, w = d q + m).  The k-quants' 256-weight super-blocks:
+``Q4_K`` (144 B): d, dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of nibbles
+(each 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high); w = d sc q - dmin m.
+``Q5_K`` (176 B): the same with 32 bytes of fifth bits (bit s of byte l: weight l of sub-block
+s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales
+(one per 16 weights), d; w = d sc (q - 32).  A GGUF tensor in one of these formats is copied
+into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
+row-block layout allows.
+
+The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
+is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
+pairs where it is read.
 """
 
 from __future__ import annotations
@@ -21,16 +30,18 @@ import dataclasses
 import numpy as np
 from tvm.script import tirx as T
 
-QBLOCK = 32  # weights per block of every quantized format here
+QBLOCK = 32  # weights per kernel unit; the block of the 32-weight formats
+QK_K = 256  # weights per super-block of the k-quants
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
     name: str
-    block_bytes: int  # bytes per block of QBLOCK weights (floats: per weight)
+    block_bytes: int  # bytes per block of ``block`` weights (floats: per weight)
     gguf_type: str  # gguf.GGMLQuantizationType member of the same layout
 
     has_offset = False  # whether ``offset`` gives a term (set by the formats that have one)
+    block_weights = QBLOCK  # weights per stored block (quantized formats)
 
     @property
     def quantized(self) -> bool:
@@ -38,7 +49,7 @@ class WeightFormat:
 
     @property
     def block(self) -> int:
-        return QBLOCK if self.quantized else 1
+        return self.block_weights if self.quantized else 1
 
     @property
     def bits_per_weight(self) -> float:
@@ -48,7 +59,10 @@ class WeightFormat:
         """(shape, dtype) of a ``[N, K]`` matrix in the pack."""
         if not self.quantized:
             return (N, K), self.name
-        return (N, K // QBLOCK * self.block_bytes), "uint8"
+        return (N, K // self.block * self.block_bytes), "uint8"
+
+    def row_bytes(self, K: int) -> int:
+        return self.storage(1, K)[0][1] * (1 if self.quantized else self.block_bytes)
 
     def fits(self, K: int) -> bool:
         """Whether rows of ``K`` weights can be stored (whole blocks)."""
@@ -59,14 +73,14 @@ class WeightFormat:
         if not self.quantized:
             return np.ascontiguousarray(w, dtype=self.name)
         n, k = w.shape
-        blocks = np.asarray(w, np.float32).reshape(n * (k // QBLOCK), QBLOCK)
+        blocks = np.asarray(w, np.float32).reshape(n * (k // self.block), self.block)
         return self._quantize_blocks(blocks).reshape(n, -1)
 
     def dequantize(self, packed: np.ndarray, K: int) -> np.ndarray:
         if not self.quantized:
             return np.asarray(packed, np.float32)
         n = packed.shape[0]
-        blocks = np.ascontiguousarray(packed).reshape(n * (K // QBLOCK), self.block_bytes)
+        blocks = np.ascontiguousarray(packed).reshape(n * (K // self.block), self.block_bytes)
         return self._dequantize_blocks(blocks).reshape(n, K)
 
     def _quantize_blocks(self, blocks):
@@ -76,9 +90,10 @@ class WeightFormat:
         raise NotImplementedError
 
     # TIR pieces over ``Wv`` = (W as uint8, as int8, as float16), the ``kernels.cpu.quant.views``
-    # of a stored matrix; block ``b`` of row ``c`` starts at byte ``b * block_bytes``
+    # of a stored matrix, for 32-weight unit ``b`` of row ``c`` (a 32-weight format's block ``b``
+    # starts at byte ``b * block_bytes``)
     def scale(self, Wv, c, b):
-        """The block's d, float32."""
+        """The unit's scale (d), float32."""
         return T.Cast("float32", Wv[2][c, b * (self.block_bytes // 2)])
 
     def dequant16(self, Wv, c, b, half: int):
@@ -86,14 +101,27 @@ class WeightFormat:
         raise NotImplementedError
 
     def int_dot(self, Wv, c, b, xq, x0):
-        """int32x4 whose lanes add up to sum_j q_j * xq[x0 + j] over the block's 32 stored
-        quants q (unsigned nibbles for the 4-bit formats, int8 for Q8_0) and int8 ``xq``."""
+        """int32x8 (AVX2, 256 bits) whose lanes add up to sum_j q_j * xq[x0 + j] over the
+        unit's 32 stored quants q (unsigned for the 4- and 5-bit formats, int8 for Q8_0; Q6_K:
+        (q - 32) times the 16-weight sub-scale) and int8 ``xq``; the weight is
+        ``scale * q + offset``."""
         raise NotImplementedError
 
     def offset(self, Wv, c, b):
-        """The coefficient of ``dx * sum(xq)`` in the block's dot product (Q4_1: m; Q4_0: -8 d,
-        its quants being stored plus 8), or None."""
+        """The coefficient of ``dx * sum(xq)`` in the unit's dot product (Q4_1: m; Q4_0: -8 d,
+        its quants being stored plus 8; Q4_K / Q5_K: -dmin m), or None."""
         return None
+
+    def wide16(self, Wv, c, b, half: int):
+        """int16x16: the unit's stored quants ``[16 half, 16 half + 16)`` (as ``int_dot`` reads
+        them), widened."""
+        raise NotImplementedError
+
+    def wide_dot(self, Wv, c, b, x16, x0):
+        """int32x8 whose lanes add up to what ``int_dot``'s do, for int16 ``x16`` (``vpmaddwd``:
+        16-bit products, exact in int32 for every format here)."""
+        return _madd16(self.wide16(Wv, c, b, 0), x16.vload([x0], "int16x16")) + _madd16(
+            self.wide16(Wv, c, b, 1), x16.vload([x0 + 16], "int16x16"))
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -129,29 +157,41 @@ def _u8x16(Wv, c, byte):
     return Wv[0].vload([c, byte], "uint8x16")
 
 
-def _maddubs(u8, i8):
-    """int16x8: adjacent pairs of u8 * i8 products added (SSSE3 ``pmaddubsw``; the 4-bit
-    formats' sums stay far below its saturation)."""
-    return T.call_llvm_pure_intrin("int16x8", "llvm.x86.ssse3.pmadd.ub.sw.128", u8, i8)
+def _cat(lo, hi, lanes: int = 16):
+    """The 2 * ``lanes``-lane vector of two ``lanes``-lane ones."""
+    return T.Shuffle([lo, hi], list(range(2 * lanes)))
 
 
-def _pairs_to_i32(p):
-    """int32x4: adjacent pairs of int16 lanes added (``pmaddwd`` by ones)."""
-    return T.call_llvm_pure_intrin("int32x4", "llvm.x86.sse2.pmadd.wd", p,
-                                   T.broadcast(T.int16(1), 8))
+def _maddubs32(u8, i8):
+    """int16x16: ``pmaddubsw`` on 256 bits (AVX2)."""
+    return T.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", u8, i8)
+
+
+def _pairs_to_i32x8(p):
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", p,
+                                   T.broadcast(T.int16(1), 16))
 
 
 def _nibble_dot(q, xq, x0):
-    lo = T.bitwise_and(q, T.broadcast(T.uint8(15), 16))
-    hi = T.shift_right(q, T.broadcast(T.uint8(4), 16))
-    return _pairs_to_i32(_maddubs(lo, xq.vload([x0], "int8x16"))
-                         + _maddubs(hi, xq.vload([x0 + 16], "int8x16")))
+    """int32x8 over one 32-weight block of 16 packed bytes: low nibbles (weights 0-15) and high
+    nibbles (16-31) side by side in one 256-bit register, against the block's 32 int8 x."""
+    both = _cat(T.bitwise_and(q, T.broadcast(T.uint8(15), 16)),
+                T.shift_right(q, T.broadcast(T.uint8(4), 16)))
+    return _pairs_to_i32x8(_maddubs32(both, xq.vload([x0], "int8x32")))
+
+
+def _madd16(a, b):
+    """int32x8: adjacent pairs of int16 products added (AVX2 ``vpmaddwd``)."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", a, b)
+
+
+def _nibbles_u8(q, half: int):
+    return (T.bitwise_and(q, T.broadcast(T.uint8(15), 16)) if half == 0
+            else T.shift_right(q, T.broadcast(T.uint8(4), 16)))
 
 
 def _nibbles16(q, half: int):
-    part = (T.bitwise_and(q, T.broadcast(T.uint8(15), 16)) if half == 0
-            else T.shift_right(q, T.broadcast(T.uint8(4), 16)))
-    return T.Cast("float32x16", part)
+    return T.Cast("float32x16", _nibbles_u8(q, half))
 
 
 class _Float(WeightFormat):
@@ -174,15 +214,14 @@ class _Q8_0(WeightFormat):
         return T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b), 16)
 
     def int_dot(self, Wv, c, b, xq, x0):
-        # pmaddubsw takes one unsigned operand: |q| times xq carrying q's sign
-        def part(h):
-            q = Wv[1].vload([c, b * 34 + 2 + 16 * h], "int8x16")
-            a = T.abs(q)  # |-128| wraps to -128, read unsigned as 128: still exact
-            s = T.call_llvm_pure_intrin("int8x16", "llvm.x86.ssse3.psign.b.128",
-                                        xq.vload([x0 + 16 * h], "int8x16"), q)
-            return _maddubs(T.reinterpret("uint8x16", a), s)
-        # each half's pair sums reach 2 * 127 * 127: added as int32, not int16
-        return _pairs_to_i32(part(0)) + _pairs_to_i32(part(1))
+        q = Wv[1].vload([c, b * 34 + 2], "int8x32")
+        s = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b",
+                                    xq.vload([x0], "int8x32"), q)
+        # pair sums reach 2 * 128 * 127 < 2^15: no pmaddubsw saturation
+        return _pairs_to_i32x8(_maddubs32(T.reinterpret("uint8x32", T.abs(q)), s))
+
+    def wide16(self, Wv, c, b, half):
+        return T.Cast("int16x16", Wv[1].vload([c, b * 34 + 2 + 16 * half], "int8x16"))
 
 
 class _Q4_0(WeightFormat):
@@ -207,6 +246,9 @@ class _Q4_0(WeightFormat):
 
     def int_dot(self, Wv, c, b, xq, x0):
         return _nibble_dot(_u8x16(Wv, c, b * 18 + 2), xq, x0)
+
+    def wide16(self, Wv, c, b, half):
+        return T.Cast("int16x16", _nibbles_u8(_u8x16(Wv, c, b * 18 + 2), half))
 
     def offset(self, Wv, c, b):
         return self.scale(Wv, c, b) * T.float32(-8)
@@ -235,8 +277,247 @@ class _Q4_1(WeightFormat):
     def int_dot(self, Wv, c, b, xq, x0):
         return _nibble_dot(_u8x16(Wv, c, b * 20 + 4), xq, x0)
 
+    def wide16(self, Wv, c, b, half):
+        return T.Cast("int16x16", _nibbles_u8(_u8x16(Wv, c, b * 20 + 4), half))
+
     def offset(self, Wv, c, b):
         return T.Cast("float32", Wv[2][c, b * 10 + 1])
+
+
+# ------------------------------------------------------------------------------ k-quants
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 12) packed bytes -> (n, 8) 6-bit scales and (n, 8) mins (``get_scale_min_k4``)."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=1)
+    return sc, mn
+
+
+def _k_pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_k_scales_mins`: (n, 8) values 0..63 each -> (n, 12) bytes."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    lo = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    mid = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)
+    return np.concatenate([lo, mid, hi], axis=1)
+
+
+def _rint_clip(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """ggml's nearest_int (round half to even), clipped."""
+    return np.clip(np.rint(x), lo, hi)
+
+
+def _fit_min_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of x (..., n): (scale, m) with x ~ scale * q - m, q in 0..nmax, m >= 0 (the
+    minimum is clamped to at most 0, as ggml's make_qkx2_quants does): a min / max start,
+    then one least-squares refit of (scale, m) to the quants that start gives."""
+    lo = np.minimum(x.min(axis=-1), 0)
+    scale = (x.max(axis=-1) - lo) / np.float32(nmax)
+    q = _rint_clip((x - lo[..., None]) * _inverse(scale)[..., None], 0, nmax)
+    n = np.float32(x.shape[-1])
+    sl, sx = q.sum(-1), x.sum(-1)
+    sll, slx = (q * q).sum(-1), (q * x).sum(-1)
+    det = n * sll - sl * sl
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(det > 0, (n * slx - sl * sx) / det, scale)
+        b = np.where(det > 0, (sx - a * sl) / n, lo)
+        a0 = np.where(sll > 0, slx / sll, scale)  # the refit with the minimum held at 0
+    fixed = (b > 0) | (a <= 0)
+    a, b = np.where(fixed, np.where(lo < 0, scale, a0), a), np.where(fixed, lo, b)
+    return np.maximum(a, 0).astype(np.float32), np.maximum(-b, 0).astype(np.float32)
+
+
+def _k_superblock_scales(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 8) non-negative sub-block values -> (float16 super scale (n, 1), quantized (n, 8))
+    with value ~ super * q, q in 0..levels (ggml: inv = levels / max, q = nearest_int)."""
+    top = values.max(axis=1, keepdims=True)
+    q = _rint_clip(values * (np.float32(levels) * _inverse(top)), 0, levels)
+    return (top / np.float32(levels)).astype(np.float16), q
+
+
+class _KMin(WeightFormat):
+    """Q4_K / Q5_K: eight 32-weight sub-blocks, each w = d sc_s q - dmin m_s with 6-bit sc_s, m_s
+    and q in 0..2^bits - 1.  The quantizer fits (scale, min) per sub-block by min / max and one
+    least-squares refit (ggml searches further), then quantizes the eight scales and mins to 6
+    bits against the super-block's d and dmin and requantizes q against those."""
+
+    block_weights = QK_K
+    has_offset = True
+    bits = 4
+
+    @property
+    def _qs(self) -> int:  # byte offset of the nibbles in a super-block
+        return 16 if self.bits == 4 else 48
+
+    def _quantize_blocks(self, blocks):
+        nmax = (1 << self.bits) - 1
+        sub = blocks.reshape(-1, 8, 32)
+        scale, mn = _fit_min_scale(sub, nmax)
+        d, sc = _k_superblock_scales(scale, 63)
+        dmin, mq = _k_superblock_scales(mn, 63)
+        ds = d.astype(np.float32) * sc
+        dm = dmin.astype(np.float32) * mq
+        q = _rint_clip((sub + dm[..., None]) * _inverse(ds)[..., None], 0, nmax).astype(np.uint8)
+        low = (q & 15).reshape(-1, 4, 2, 32)
+        parts = [d.view(np.uint8), dmin.view(np.uint8), _k_pack_scales(sc, mq)]
+        if self.bits == 5:
+            fifth = (q >> 4).transpose(0, 2, 1)  # (n, 32 weights, 8 sub-blocks)
+            parts.append((fifth << np.arange(8, dtype=np.uint8)).sum(axis=2, dtype=np.uint8))
+        parts.append((low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128))
+        return np.concatenate(parts, axis=1)
+
+    def _dequantize_blocks(self, blocks):
+        n = len(blocks)
+        sc, mn = _k_scales_mins(blocks[:, 4:16])
+        d = (_f16_at(blocks, 0) * sc.astype(np.float32)).reshape(n, 8, 1)
+        dm = (_f16_at(blocks, 2) * mn.astype(np.float32)).reshape(n, 8, 1)
+        qs = blocks[:, self._qs:self._qs + 128].reshape(n, 4, 1, 32)
+        q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & np.uint8(15)).reshape(n, 8,
+                                                                                            32)
+        if self.bits == 5:
+            qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8,
+                                                                                           1)
+            q = q | ((qh & np.uint8(1)) << np.uint8(4))
+        return (d * q.astype(np.float32) - dm).reshape(n, QK_K)
+
+    # TIR: unit b is sub-block s = b % 8 of super-block b // 8, at byte ``base``
+    def _where(self, b):
+        return (b // 8) * self.block_bytes, b % 8
+
+    def _scale_min_byte(self, Wv, c, base, s, want_min: bool):
+        def byte(j):
+            return T.Cast("int32", Wv[0][c, base + 4 + j])
+        if want_min:
+            low = T.bitwise_and(byte(s + 4), 63)
+            high = T.bitwise_or(T.shift_right(byte(s + 4), 4),
+                                T.shift_left(T.shift_right(byte(s), 6), 4))
+        else:
+            low = T.bitwise_and(byte(s), 63)
+            high = T.bitwise_or(T.bitwise_and(byte(s + 4), 15),
+                                T.shift_left(T.shift_right(byte(s - 4), 6), 4))
+        # both arms' bytes lie inside the super-block's first 16 bytes for every s in 0..7
+        return T.Cast("float32", T.if_then_else(s < 4, low, high))
+
+    def scale(self, Wv, c, b):
+        base, s = self._where(b)
+        return (T.Cast("float32", Wv[2][c, base // 2])
+                * self._scale_min_byte(Wv, c, base, s, False))
+
+    def offset(self, Wv, c, b):
+        base, s = self._where(b)
+        return -(T.Cast("float32", Wv[2][c, base // 2 + 1])
+                 * self._scale_min_byte(Wv, c, base, s, True))
+
+    def _quants16(self, Wv, c, b, half: int, lanes: int = 16):
+        """uint8 x ``lanes``: the unit's quants from ``16 half`` on."""
+        base, s = self._where(b)
+        t = f"uint8x{lanes}"
+        nib = T.shift_right(Wv[0].vload([c, base + self._qs + (s // 2) * 32 + 16 * half], t),
+                            T.broadcast(T.Cast("uint8", (s % 2) * 4), lanes))
+        q = T.bitwise_and(nib, T.broadcast(T.uint8(15), lanes))
+        if self.bits == 5:
+            hb = T.shift_right(Wv[0].vload([c, base + 16 + 16 * half], t),
+                               T.broadcast(T.Cast("uint8", s), lanes))
+            q = T.bitwise_or(q, T.shift_left(T.bitwise_and(hb, T.broadcast(T.uint8(1), lanes)),
+                                             T.broadcast(T.uint8(4), lanes)))
+        return q
+
+    def int_dot(self, Wv, c, b, xq, x0):
+        return _pairs_to_i32x8(_maddubs32(self._quants16(Wv, c, b, 0, 32),
+                                          xq.vload([x0], "int8x32")))
+
+    def dequant16(self, Wv, c, b, half):
+        return (T.Cast("float32x16", self._quants16(Wv, c, b, half))
+                * T.broadcast(self.scale(Wv, c, b), 16) + T.broadcast(self.offset(Wv, c, b), 16))
+
+    def wide16(self, Wv, c, b, half):
+        return T.Cast("int16x16", self._quants16(Wv, c, b, half))
+
+
+class _Q4_K(_KMin):
+    bits = 4
+
+
+class _Q5_K(_KMin):
+    bits = 5
+
+
+class _Q6_K(WeightFormat):
+    """Sixteen 16-weight sub-blocks, w = d sc_s (q - 32), int8 sc_s, q in 0..63.  The quantizer:
+    per sub-block the weight of largest magnitude maps to -32 (as ggml's make_qx_quants starts),
+    the sixteen scales to int8 against d = (largest-magnitude scale) / -128, q requantized."""
+
+    block_weights = QK_K
+
+    def _quantize_blocks(self, blocks):
+        sub = blocks.reshape(-1, 16, 16)
+        big = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]
+        scale = big / np.float32(-32)
+        top = np.take_along_axis(scale, np.abs(scale).argmax(axis=1)[:, None], axis=1)
+        d = (top / np.float32(-128)).astype(np.float16)
+        sc = _rint_clip(scale * (np.float32(-128) * _inverse(top)), -128, 127)
+        ds = d.astype(np.float32) * sc
+        q = (_rint_clip(sub * _inverse(ds)[..., None], -32, 31) + 32).astype(np.uint8)
+        q = q.reshape(-1, 2, 4, 32)  # (n, half, p, l): weight 128 half + 32 p + l
+        ql = (q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)  # (n, half, 2, 32)
+        qh = (q >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+        qh = qh.sum(axis=2, dtype=np.uint8)  # (n, half, 32)
+        return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64),
+                               sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], axis=1)
+
+    def _dequantize_blocks(self, blocks):
+        n = len(blocks)
+        d = (_f16_at(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32))
+        ql = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2,
+                                                                                        1)
+        ql = (ql & np.uint8(15)).reshape(n, 2, 4, 32)
+        qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+            1, 1, 4, 1)
+        q = (ql | ((qh & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+        return (d.reshape(n, 16, 1) * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+
+    # TIR: unit b is weights 32 p + [0, 32) of half h of super-block b // 8 (s = b % 8 = 4 h + p)
+    def _quants16(self, Wv, c, b, half: int, lanes: int = 16):
+        base, s = (b // 8) * 210, b % 8
+        h, p = s // 4, s % 4
+        t = f"uint8x{lanes}"
+        lo = T.bitwise_and(
+            T.shift_right(Wv[0].vload([c, base + h * 64 + (p % 2) * 32 + 16 * half], t),
+                          T.broadcast(T.Cast("uint8", (p // 2) * 4), lanes)),
+            T.broadcast(T.uint8(15), lanes))
+        hi = T.bitwise_and(
+            T.shift_right(Wv[0].vload([c, base + 128 + h * 32 + 16 * half], t),
+                          T.broadcast(T.Cast("uint8", p * 2), lanes)),
+            T.broadcast(T.uint8(3), lanes))
+        return T.bitwise_or(lo, T.shift_left(hi, T.broadcast(T.uint8(4), lanes)))
+
+    def _sub_scale(self, Wv, c, b, half: int):
+        """The int8 scale of the unit's 16 weights ``[16 half, 16 half + 16)``."""
+        return Wv[1][c, (b // 8) * 210 + 192 + (b % 8) * 2 + half]
+
+    def scale(self, Wv, c, b):
+        return T.Cast("float32", Wv[2][c, (b // 8) * 105 + 104])
+
+    def dequant16(self, Wv, c, b, half):
+        q = T.Cast("float32x16", T.Cast("int8x16", self._quants16(Wv, c, b, half))
+                   - T.broadcast(T.int8(32), 16))
+        return q * T.broadcast(self.scale(Wv, c, b)
+                               * T.Cast("float32", self._sub_scale(Wv, c, b, half)), 16)
+
+    def int_dot(self, Wv, c, b, xq, x0):
+        x = xq.vload([x0], "int8x32")
+        p = (_maddubs32(self._quants16(Wv, c, b, 0, 32), x)
+             - _maddubs32(T.broadcast(T.uint8(32), 32), x))
+        sc = [T.broadcast(T.Cast("int16", self._sub_scale(Wv, c, b, h)), 8) for h in (0, 1)]
+        return _madd16(p, _cat(sc[0], sc[1], 8))
+
+    def wide_dot(self, Wv, c, b, x16, x0):
+        # per half: sum (q - 32) x in int32 (|lane| <= 2 * 32 * 32767), times its int8 sub-scale
+        def part(h):
+            q = T.Cast("int16x16", self._quants16(Wv, c, b, h)) - T.broadcast(T.int16(32), 16)
+            return _madd16(q, x16.vload([x0 + 16 * h], "int16x16")) * T.broadcast(
+                T.Cast("int32", self._sub_scale(Wv, c, b, h)), 8)
+        return part(0) + part(1)
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
@@ -245,6 +526,9 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Q8_0("q8_0", 34, "Q8_0"),
     _Q4_0("q4_0", 18, "Q4_0"),
     _Q4_1("q4_1", 20, "Q4_1"),
+    _Q4_K("q4_k", 144, "Q4_K"),
+    _Q5_K("q5_k", 176, "Q5_K"),
+    _Q6_K("q6_k", 210, "Q6_K"),
 )}
 FLOAT_FORMATS = ("float32", "float16")
 QUANT_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)

@@ -115,8 +115,15 @@ class _Builder:
         """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
         cfg, pre = self.cfg, f"layers.{layer}."
         h, q_size = cfg.hidden_size, cfg.q_size
-        qkv = self.norm_linear(x, self.p[pre + "input_norm"], pre + "wqkv", n, cfg.qkv_size, h,
-                               bias=self.p.get(pre + "bqkv"))
+        g = self.p[pre + "input_norm"]
+        if pre + "wv" in self.p:  # q / k and v rows in different formats (params.split_qkv)
+            qk_size = q_size + cfg.kv_size
+            qk = self.norm_linear(x, g, pre + "wqk", n, qk_size, h, bias=self.p.get(pre + "bqk"))
+            v = self.norm_linear(x, g, pre + "wv", n, cfg.kv_size, h, bias=self.p.get(pre + "bv"))
+            qkv = self.bb.emit(relax.op.concat([qk, v], axis=1))
+        else:
+            qkv = self.norm_linear(x, g, pre + "wqkv", n, cfg.qkv_size, h,
+                                   bias=self.p.get(pre + "bqkv"))
         rope, attn, extra_rope, extra_attn = attn_args
         written = self.bb.emit(relax.call_tir_inplace(
             self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],
@@ -157,8 +164,8 @@ class _Builder:
                          [x, p["final_norm"], p[head]], (1, v))
 
     def head_opts(self, head: str) -> dict:
-        """A quantized LM head reads float32 activations (``kernels.cpu.quant.gemv``)."""
-        return {"float_x": True} if FORMATS[self.fmt[head]].quantized else {}
+        """A quantized LM head reads int16 activations (``kernels.cpu.quant.gemv``)."""
+        return {"wide_x": True} if FORMATS[self.fmt[head]].quantized else {}
 
 
 def _per_call_inputs(n: int) -> dict:

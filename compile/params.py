@@ -76,6 +76,14 @@ def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {s.name: s.logical for s in param_specs(cfg, "float32") if s.logical}
 
 
+def split_qkv(weight_formats, layer: int) -> bool:
+    """Whether layer ``layer`` keeps V's rows apart (``wqk`` + ``wv``): when ``weight_formats``
+    names either, their formats differ (a Q4_K_M GGUF stores some layers' V in Q6_K; joining
+    them would requantize one)."""
+    names = {name for name, _fmt in weight_formats}
+    return f"layers.{layer}.wqk" in names or f"layers.{layer}.wv" in names
+
+
 def param_specs(cfg: ModelConfig, weight_dtype: str, weight_formats=()) -> list[ParamSpec]:
     """Names, stored shapes and dtypes of the ``params`` tuple, in tuple order; matrices in
     ``weight_dtype`` unless ``weight_formats`` (pairs ``(name, format)``) names theirs."""
@@ -88,12 +96,16 @@ def param_specs(cfg: ModelConfig, weight_dtype: str, weight_formats=()) -> list[
     specs = [m("embed", v, h)]  # (vocab, hidden)
     for layer in range(cfg.n_layers):
         p = f"layers.{layer}."
-        specs += [
-            ParamSpec(p + "input_norm", (h,), "float32"),
-            m(p + "wqkv", cfg.qkv_size, h),  # rows: q | k | v
-        ]
-        if cfg.attention_bias:
-            specs.append(ParamSpec(p + "bqkv", (cfg.qkv_size,), "float32"))
+        specs.append(ParamSpec(p + "input_norm", (h,), "float32"))
+        if split_qkv(weight_formats, layer):
+            specs += [m(p + "wqk", cfg.q_size + cfg.kv_size, h), m(p + "wv", cfg.kv_size, h)]
+            if cfg.attention_bias:
+                specs += [ParamSpec(p + "bqk", (cfg.q_size + cfg.kv_size,), "float32"),
+                          ParamSpec(p + "bv", (cfg.kv_size,), "float32")]
+        else:
+            specs.append(m(p + "wqkv", cfg.qkv_size, h))  # rows: q | k | v
+            if cfg.attention_bias:
+                specs.append(ParamSpec(p + "bqkv", (cfg.qkv_size,), "float32"))
         specs += [
             m(p + "wo", h, cfg.q_size),
             ParamSpec(p + "post_norm", (h,), "float32"),

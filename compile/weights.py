@@ -169,6 +169,10 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
         "input_norm": [(p + "input_layernorm.weight", (h,))],
         "wqkv": [(f"{attn}{x}_proj.weight", (n, h)) for x, n in rows.items()],
         "bqkv": [(f"{attn}{x}_proj.bias", (n,)) for x, n in rows.items()],
+        "wqk": [(f"{attn}{x}_proj.weight", (rows[x], h)) for x in "qk"],
+        "bqk": [(f"{attn}{x}_proj.bias", (rows[x],)) for x in "qk"],
+        "wv": [(attn + "v_proj.weight", (kv, h))],
+        "bv": [(attn + "v_proj.bias", (kv,))],
         "wo": [(attn + "o_proj.weight", (h, q))],
         "post_norm": [(p + "post_attention_layernorm.weight", (h,))],
         "w_gate_up": [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))],
@@ -571,6 +575,30 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
 
 
 WEIGHT_POLICIES = ("auto", *FORMATS)
+# a k-quant policy's format for a matrix whose rows are not whole 256-weight super-blocks
+# (SmolLM2's 576): the 32-weight format of at least its precision (llama.cpp falls back the
+# same way, to Q5_0 / Q5_1 / Q8_0, formats not run here)
+K_QUANT_FALLBACK = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
+
+
+def _auto_formats(source: ModelSource, quantized_ok: bool) -> dict[str, str]:
+    """A GGUF's own format per matrix parameter where it runs natively, else float16; a layer
+    whose V is stored apart from Q / K in another native format keeps its rows apart
+    (``params.split_qkv``: Q4_K_M's Q6_K V in some layers)."""
+    chosen = {}
+    for name, types in gguf_matrix_types(source).items():
+        fmts = [by_gguf_type(t) for t in types]
+        native = all(f is not None and (quantized_ok or not f.quantized) for f in fmts)
+        if name.endswith(".wqkv") and native and types[0] == types[1] != types[2]:
+            layer = name[:-len("wqkv")]
+            chosen[layer + "wqk"], chosen[layer + "wv"] = fmts[0].name, fmts[2].name
+        elif len(set(types)) > 1 or fmts[0] is None:
+            log.warning("%s: %s parts are %s; not run natively: dequantized to float16",
+                        source.path, name, "/".join(types))
+            chosen[name] = "float16"
+        else:
+            chosen[name] = fmts[0].name if native else "float16"
+    return chosen
 
 
 def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
@@ -579,9 +607,9 @@ def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
     ``(name, format)`` exceptions.
 
     - "float32" / "float16": every matrix dequantized (or converted) to it.
-    - "q8_0" / "q4_0" / "q4_1": every matrix quantized to it, except the LM head (the tied
-      embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision, and a
-      matrix whose rows are not whole 32-weight blocks, kept in float16.
+    - a quantized format: every matrix quantized to it, except the LM head (the tied
+      embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision; a matrix
+      whose rows are not whole blocks takes ``K_QUANT_FALLBACK`` (k-quants), else float16.
     - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
       parts differ in type, or of a type without kernels here, becomes float16 with a
       warning naming it); float32 for HF checkpoints and presets.
@@ -591,32 +619,27 @@ def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
     if policy in QUANT_FORMATS and not quantized_ok:
-        raise ConfigError(f"weight_dtype={policy!r}: quantized weights run on the CPU (llvm) "
-                          "target only so far; use --weight-dtype float16 on this target")
+        raise ConfigError(f"weight_dtype={policy!r}: quantized weights run on x86 CPUs with "
+                          "AVX2 (the llvm target) only so far; use --weight-dtype float16 on "
+                          "this target")
     shapes = matrix_shapes(source.config)
     head = "embed" if source.config.tie_word_embeddings else "lm_head"
     if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
-        chosen = {}
-        for name, types in gguf_matrix_types(source).items():
-            fmt = by_gguf_type(types[0])
-            if len(set(types)) > 1 or fmt is None or (fmt.quantized and not quantized_ok):
-                if len(set(types)) > 1 or fmt is None:
-                    log.warning("%s: %s parts are %s; not run natively: dequantized to float16",
-                                source.path, name, "/".join(types))
-                chosen[name] = "float16"
-            else:
-                chosen[name] = fmt.name
+        chosen = _auto_formats(source, quantized_ok)
     else:
         chosen = {name: policy for name in shapes}
         if head in chosen and policy != "q8_0":
             chosen[head] = "q8_0"
-    for name, (_rows, cols) in shapes.items():
-        if not FORMATS[chosen[name]].fits(cols):
-            log.warning("%s: rows of %d weights are not whole %s blocks: kept in float16",
-                        name, cols, chosen[name])
-            chosen[name] = "float16"
+    for name, fmt in chosen.items():
+        cols = shapes[name][1] if name in shapes else source.config.hidden_size  # wqk / wv
+        if not FORMATS[fmt].fits(cols):
+            chosen[name] = K_QUANT_FALLBACK.get(fmt, "float16")
+            if not FORMATS[chosen[name]].fits(cols):
+                chosen[name] = "float16"
+            log.warning("%s: rows of %d weights are not whole %s blocks: stored as %s",
+                        name, cols, fmt, chosen[name])
     counts: dict[str, int] = {}
     for fmt in chosen.values():
         counts[fmt] = counts.get(fmt, 0) + 1

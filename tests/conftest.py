@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,8 +50,35 @@ def _byte_bpe_tokenizer():
     return tok
 
 
-def _save(model, path: Path, **kwargs) -> Checkpoint:
-    model.save_pretrained(path, **kwargs)
+def _shared_dir(tmp_path_factory, name: str, write) -> Path:
+    """A session folder ``name`` filled by ``write(path)`` once: under pytest-xdist one folder
+    for all workers (the first to take its lock writes it), so a checkpoint has one path in
+    the shared artifact cache whichever worker converts it first."""
+    import fcntl
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name)
+        write(path)
+        return path
+    base = tmp_path_factory.getbasetemp().parent
+    path = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / ".written").exists():
+            path.mkdir(exist_ok=True)
+            write(path)
+            (path / ".written").touch()
+    return path
+
+
+def _save(model, tmp_path_factory, name: str, extra=None, **kwargs) -> Checkpoint:
+    """``model`` saved (with ``extra(path)`` beside it) in the session folder ``name``."""
+    def write(path):
+        if extra is not None:
+            extra(path)
+        model.save_pretrained(path, **kwargs)
+
+    path = _shared_dir(tmp_path_factory, name, write)
     state = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
     return Checkpoint(path, state)
 
@@ -68,12 +96,26 @@ def llama_ckpt(tmp_path_factory) -> Checkpoint:
                       rope_theta=50000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     model = LlamaForCausalLM(cfg)
     _randomize(model, seed=1)
-    path = tmp_path_factory.mktemp("llama")
     fast = PreTrainedTokenizerFast(tokenizer_object=_byte_bpe_tokenizer(), bos_token="<s>",
                                    eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-    return _save(model, path)
+    return _save(model, tmp_path_factory, "llama", extra=fast.save_pretrained)
+
+
+@pytest.fixture(scope="session")
+def llama_wide_ckpt(tmp_path_factory) -> Checkpoint:
+    """LlamaForCausalLM whose rows are whole 256-weight super-blocks (hidden 256, MLP 512), for
+    the k-quant formats; untied, no tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=320,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    _randomize(model, seed=3)
+    return _save(model, tmp_path_factory, "llama_wide")
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +124,7 @@ def llama_sharded_ckpt(tmp_path_factory, llama_ckpt) -> Checkpoint:
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(llama_ckpt.path)
-    return _save(model, tmp_path_factory.mktemp("llama_sharded"), max_shard_size="40KB")
+    return _save(model, tmp_path_factory, "llama_sharded", max_shard_size="40KB")
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +139,7 @@ def qwen2_ckpt(tmp_path_factory) -> Checkpoint:
                       tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
     _randomize(model, seed=2)
-    return _save(model.to(torch.bfloat16), tmp_path_factory.mktemp("qwen2"))
+    return _save(model.to(torch.bfloat16), tmp_path_factory, "qwen2")
 
 
 @pytest.fixture(scope="session")
@@ -126,13 +168,23 @@ QUANT_KERNEL_RTOL = 1e-4
 SMOL_NATIVE_LOGIT_TOL = {"prefill": 0.05, "decode": 1.5}
 # A random checkpoint quantized by our quantizer: greedy logits within this distance (max abs,
 # relative to the float model's largest logit) of the float32 model's.
-QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2}
+QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2, "q4_k": 0.2}
+# Native quantized weights against the same weights dequantized to float32 (only the decode
+# GEMVs' int8 activations differ): logits within this distance, relative to the largest.
+NATIVE_VS_DEQUANT_RTOL = 0.02
 
 
 @pytest.fixture(scope="session")
 def artifact_root(tmp_path_factory) -> Path:
-    """One artifact cache for the whole test session: each key compiles once."""
-    return tmp_path_factory.mktemp("artifacts")
+    """One artifact cache for the whole test session: each key compiles once, also across
+    pytest-xdist workers (they share it; concurrent builds of one key compile once, see
+    test_safe_builds)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above each worker's own
+    root = base / "artifacts"
+    root.mkdir(exist_ok=True)
+    return root
 
 
 def _memoised(fn):

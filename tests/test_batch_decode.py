@@ -12,7 +12,7 @@ from paged_decode.runtime.errors import (CapacityError, HandleError, InputError,
 from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.step import BatchDecodeSession
 
-from .conftest import BUCKETS, LOGIT_TOL, make_pool
+from .conftest import BUCKETS, LOGIT_TOL, NATIVE_VS_DEQUANT_RTOL, make_pool
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
 
@@ -128,10 +128,15 @@ def test_a_rejected_step_changes_no_sequence(bad, load):
     pool.allocator.check_invariants()
 
 
-def test_float16_batched_logits_track_solo_ones(load):
-    """Half-precision weights and cache: each row of a batched step against the same sequence
-    decoded alone (B = 1, its own pool), fed the same tokens, within the float16 tolerance."""
-    artifact, weights = load("tiny", weight_dtype="float16", cache_dtype="float16", **OPTS)
+@pytest.mark.parametrize("dtype", ["float16", "q4_0"])
+def test_batched_logits_track_solo_ones(load, dtype):
+    """Half-precision weights and cache, or Q4_0 weights: each row of a batched step against the
+    same sequence decoded alone (B = 1, its own pool), fed the same tokens, within the float16
+    tolerance, or (Q4_0: batched steps are matmuls over float32 activations, B = 1 GEMVs
+    quantize them to int8) NATIVE_VS_DEQUANT_RTOL of the largest logit."""
+    opts = (dict(weight_dtype="float16", cache_dtype="float16") if dtype == "float16"
+            else dict(weight_dtype=dtype))
+    artifact, weights = load("tiny", **opts, **OPTS)
     vocab = artifact.manifest.vocab_size
     prompts = _prompts(6, vocab)
     fed = np.random.default_rng(7).integers(2, vocab, size=(6, 5)).tolist()
@@ -150,6 +155,7 @@ def test_float16_batched_logits_track_solo_ones(load):
     for step in range(5):
         logits = session.step(handles, [tokens[step] for tokens in fed])
         for row in range(6):
-            np.testing.assert_allclose(logits[row], want[row][step],
-                                       atol=LOGIT_TOL["float16"], rtol=0)
+            tol = (LOGIT_TOL["float16"] if dtype == "float16"
+                   else NATIVE_VS_DEQUANT_RTOL * np.abs(want[row][step]).max())
+            np.testing.assert_allclose(logits[row], want[row][step], atol=tol, rtol=0)
     assert session.realize_counts[8] == 5  # six rows ran bucket 8

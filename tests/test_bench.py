@@ -89,8 +89,14 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
             assert ours["vs_llamacpp"]["decode"][c]["median"] == pytest.approx(want)
     else:
         assert "vs_llamacpp" not in ours
+    rss = ours["peak_rss_mb"]  # a process of its own: its peak includes the weights and pool
+    assert rss["peak_rss_mb"] > rss["before_load_mb"] > 0
+    assert ours["weights"] == {"weight_dtype": "float32"}
+    assert set(report["machine"]) >= {"cpu_model", "vector_extensions"}
     md = (out / "bench.md").read_text()
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
+    assert f"| tiny | float32 | float32 | {rss['peak_rss_mb']:.0f} MB" in md
+    assert md.startswith("CPU: ")
     assert "KV-cache blocks of 8 tokens" in md
     read_table = md[md.index("Read-only step"):]
     assert f"| tiny | float32 | {read['bytes'] / 1e6:.1f} | " in read_table
@@ -241,3 +247,17 @@ def test_each_model_is_resolved_once_and_passed_through(monkeypatch, tmp_path):
         ("llama-160m", "llama-160m", "float32"), ("llama-160m", "llama-160m", "float16")]
     assert seen[0][1] is seen[1][1]  # the same resolved source for both dtypes
     assert bench.resolve_model(seen[0][1]) is seen[0][1]  # a resolved source is kept as it is
+
+
+def test_bench_quantized_kinds_name_what_they_need(tmp_path):
+    """``--dtype gguf`` measures a GGUF's own file: a preset has none, and the error says what
+    to use instead."""
+    with pytest.raises(ValueError, match="--dtype gguf measures a GGUF model's own file.*q4_k_m"):
+        bench._bench_gguf(resolve_model("tiny"), "gguf", tmp_path, lambda _m: None)
+
+
+def test_cpu_model_lists_vector_extensions():
+    info = bench.cpu_model()
+    assert set(info["vector_extensions"]) <= set(bench.VECTOR_FLAGS)
+    flags = open("/proc/cpuinfo").read().split()
+    assert ("avx2" in info["vector_extensions"]) == ("avx2" in flags)

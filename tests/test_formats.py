@@ -24,27 +24,50 @@ def _gguf_type(fmt):
     return GGML[FORMATS[fmt].gguf_type]
 
 
+# byte offsets of each format's float16 scales inside a block (the rest are random quant bytes)
+SCALE_BYTES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+               "q6_k": (208,)}
+
+
 def _random_blocks(fmt: str, n_rows: int, K: int, seed: int = 0) -> np.ndarray:
-    """Random valid block bytes: random quants, finite float16 scales of both signs."""
+    """Random valid block bytes: random quants (and k-quant sub-scales), finite float16 scales
+    of both signs."""
     f = FORMATS[fmt]
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n_rows * K // 32, f.block_bytes), dtype=np.uint8)
-    n_scales = 2 if fmt == "q4_1" else 1
-    scales = rng.uniform(-0.2, 0.2, (len(blocks), n_scales)).astype(np.float16)
-    blocks[:, :2 * n_scales] = scales.view(np.uint8)
+    blocks = rng.integers(0, 256, (n_rows * K // f.block, f.block_bytes), dtype=np.uint8)
+    for at in SCALE_BYTES[fmt]:
+        scales = rng.uniform(-0.2, 0.2, (len(blocks), 1)).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8)
     return blocks.reshape(n_rows, -1)
+
+
+def _k(fmt: str, *per_32: int) -> int:
+    """A row length for ``fmt``: the first of ``per_32`` that is whole blocks (32-weight
+    formats), or its counterpart in 256-weight super-blocks (k-quants)."""
+    return per_32[0] if FORMATS[fmt].block == 32 else per_32[1]
+
+
+def test_every_gguf_layout_is_a_registered_format():
+    assert {FORMATS[f].gguf_type for f in QUANT_FORMATS} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K",
+                                                             "Q5_K", "Q6_K"}
+    for fmt in QUANT_FORMATS:
+        block, nbytes = gguf.GGML_QUANT_SIZES[_gguf_type(fmt)]
+        assert (FORMATS[fmt].block, FORMATS[fmt].block_bytes) == (block, nbytes), fmt
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_dequantize_is_bit_exact_with_gguf_on_random_blocks(fmt):
-    K = 96
+    K = _k(fmt, 96, 768)
     packed = _random_blocks(fmt, 7, K)
     ours = FORMATS[fmt].dequantize(packed, K)
     theirs = gguf_dequantize(packed, _gguf_type(fmt)).reshape(7, K)
     np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+GGUF_QUANTIZES = [f for f in QUANT_FORMATS if FORMATS[f].block == 32]  # gguf lacks the k-quants'
+
+
+@pytest.mark.parametrize("fmt", GGUF_QUANTIZES)
 def test_quantize_matches_gguf_quantize(fmt):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((9, 128)).astype(np.float32)
@@ -54,6 +77,28 @@ def test_quantize_matches_gguf_quantize(fmt):
     theirs = gguf_quantize(w, _gguf_type(fmt))
     np.testing.assert_array_equal(FORMATS[fmt].dequantize(ours, 128),
                                   gguf_dequantize(theirs, _gguf_type(fmt)).reshape(9, 128))
+
+
+# relative RMS error of quantizing standard-normal weights: ggml's k-quant quantizers reach
+# about 0.07 / 0.035 / 0.018 (Q4_K / Q5_K / Q6_K) on such data; ours may not be worse by much
+K_QUANT_RMS = {"q4_k": 0.08, "q5_k": 0.04, "q6_k": 0.02}
+
+
+@pytest.mark.parametrize("fmt", sorted(K_QUANT_RMS))
+def test_k_quantizer_round_trips_through_gguf_within_its_error(fmt):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((9, 512)).astype(np.float32)
+    w[0, :256] = 0  # an all-zero super-block
+    w[1, 5] = 40.0  # an outlier
+    w[2, 256:] = np.abs(w[2, 256:]) + 3  # all positive: the minimum clamps to 0
+    packed = FORMATS[fmt].quantize(w)
+    assert packed.shape == (9, 2 * FORMATS[fmt].block_bytes)
+    back = gguf_dequantize(packed, _gguf_type(fmt)).reshape(9, 512)
+    np.testing.assert_array_equal(back[0, :256], 0)
+    err = back[3:] - w[3:]
+    assert np.sqrt((err ** 2).mean() / (w[3:] ** 2).mean()) < K_QUANT_RMS[fmt]
+    assert np.abs(back[2, 256:] - w[2, 256:]).max() < 0.25
+    assert np.isfinite(back).all()
 
 
 def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
@@ -78,12 +123,14 @@ def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
 
 # ------------------------------------------------------------------------------- kernels
 
-def _x_as_quantized(x: np.ndarray) -> np.ndarray:
-    """x as the decode GEMV reads it: int8 per 32-block, dx = max|x| / 127, round half even."""
+def _x_as_quantized(x: np.ndarray, qmax: int = 127) -> np.ndarray:
+    """x as the decode GEMV reads it: int8 per 32-block, dx = max|x| / 127, round half even
+    (``qmax`` 32767: the LM head's int16)."""
     b = x.reshape(-1, 32).astype(np.float32)
     amax = np.abs(b).max(axis=1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return (np.rint(b * inv) * (amax / np.float32(127))).reshape(x.shape)
+    top = np.float32(qmax)
+    inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * (amax / top)).reshape(x.shape)
 
 
 def _rmsnorm(x, g, eps):
@@ -101,25 +148,32 @@ def _weights(fmt, N, K, seed=0):
     return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
 
 
-# N not a multiple of the 16-row unit or the tile; K: one block, an odd count, SmolLM2's 576
-SHAPES = [(40, 32), (130, 160), (1000, 576)]
+# N not a multiple of the 16-row unit or the tile; K: one block, an odd count of blocks (k-quants:
+# of 32-weight units too), SmolLM2's 576 (k-quants: 5 super-blocks, not a multiple of 4 units)
+SHAPES = [(40, (32, 256)), (130, (160, 768)), (1000, (576, 1280))]
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("N,K,variant", [(*SHAPES[0], "none"), (*SHAPES[1], "residual"),
-                                         (*SHAPES[2], "norm"), (*SHAPES[1], "norm_bias"),
-                                         (*SHAPES[1], "float_x"), (*SHAPES[2], "norm_float_x")])
-def test_quantized_gemv(fmt, N, K, variant):
+# every format through the plain, fused-norm and LM-head (int16 x) GEMVs; the epilogues, shared
+# by all formats, with one 32-weight format and one k-quant
+GEMV_CASES = [(f, *SHAPES[i], v) for f in QUANT_FORMATS
+              for i, v in ((0, "none"), (2, "norm"), (1, "wide_x"))] + [
+    (f, *SHAPES[i], v) for f in ("q4_1", "q4_k")
+    for i, v in ((1, "residual"), (1, "norm_bias"), (2, "norm_wide_x"))]
+
+
+@pytest.mark.parametrize("fmt,N,Ks,variant", GEMV_CASES)
+def test_quantized_gemv(fmt, N, Ks, variant):
+    K = _k(fmt, *Ks)
     rng = np.random.default_rng(2)
     packed, Wd = _weights(fmt, N, K)
     x = rng.standard_normal((1, K)).astype(np.float32)
     g = rng.uniform(0.5, 1.5, K).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32)
     res = rng.standard_normal((1, N)).astype(np.float32)
-    norm, float_x = variant.startswith("norm"), variant.endswith("float_x")
+    norm, wide_x = variant.startswith("norm"), variant.endswith("wide_x")
     epilogue = {"norm_bias": "bias", "residual": "residual"}.get(variant, "none")
     xs = _rmsnorm(x, g, 1e-5) if norm else x
-    want = Wd @ (xs[0] if float_x else _x_as_quantized(xs[0])).astype(np.float64)
+    want = Wd @ _x_as_quantized(xs[0], 32767 if wide_x else 127).astype(np.float64)
     args = [_t(x)] + ([_t(g)] if norm else []) + [_t(packed)]
     if epilogue == "bias":
         args.append(_t(bias))
@@ -128,13 +182,14 @@ def test_quantized_gemv(fmt, N, K, variant):
         args.append(_t(res))
         want = want + res[0]
     y = _t(np.zeros((1, N), np.float32))
-    _compiled(quant.gemv, N, K, fmt, epilogue, 1e-5 if norm else None, float_x)(*args, y)
+    _compiled(quant.gemv, N, K, fmt, epilogue, 1e-5 if norm else None, wide_x)(*args, y)
     _close(y.numpy()[0], want)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("I,K", [(40, 64), (300, 160)])
-def test_quantized_gemv_swiglu(fmt, I, K):
+@pytest.mark.parametrize("I,Ks", [(40, (64, 256)), (300, (160, 768))])
+def test_quantized_gemv_swiglu(fmt, I, Ks):
+    K = _k(fmt, *Ks)
     rng = np.random.default_rng(3)
     gate, gd = _weights(fmt, I, K, 4)
     up, ud = _weights(fmt, I, K, 5)
@@ -149,33 +204,40 @@ def test_quantized_gemv_swiglu(fmt, I, K):
     _close(act.numpy()[0], want)
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("n", [1, 3, 70])
-@pytest.mark.parametrize("epilogue", ["none", "bias", "residual"])
-@pytest.mark.parametrize("tile", sorted({t["linear"] for t in TILES.values()}))
-def test_quantized_prefill_linear(fmt, n, epilogue, tile):
-    N, K = 130, 160
+LINEAR_TILES = sorted({t["linear"] for t in TILES.values()})
+# every format through one epilogue and tile; the epilogues and tiles, shared by all formats,
+# with one 32-weight format and one k-quant
+LINEAR_CASES = [(f, "bias", LINEAR_TILES[0]) for f in QUANT_FORMATS] + [
+    (f, e, t) for f in ("q4_0", "q6_k") for e in ("none", "residual") for t in LINEAR_TILES]
+
+
+@pytest.mark.parametrize("fmt,epilogue,tile", LINEAR_CASES)
+def test_quantized_prefill_linear(fmt, epilogue, tile):
+    """One compiled kernel over 1, 3 and 70 tokens (a partial block of 64 rows after a whole)."""
+    N, K = 130, _k(fmt, 160, 768)
     rng = np.random.default_rng(6)
     packed, Wd = _weights(fmt, N, K)
-    x = rng.standard_normal((n, K)).astype(np.float32)
-    want = x.astype(np.float64) @ Wd.T
-    args = [_t(x), _t(packed)]
-    if epilogue == "bias":
-        bias = rng.standard_normal(N).astype(np.float32)
-        args.append(_t(bias))
-        want = want + bias
-    if epilogue == "residual":
-        res = rng.standard_normal((n, N)).astype(np.float32)
-        args.append(_t(res))
-        want = want + res
-    y = _t(np.zeros((n, N), np.float32))
-    _compiled(quant.linear, N, K, fmt, epilogue, tile)(*args, y)
-    _close(y.numpy(), want)
+    kernel = _compiled(quant.linear, N, K, fmt, epilogue, tile)
+    for n in (1, 3, 70):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        want = x.astype(np.float64) @ Wd.T
+        args = [_t(x), _t(packed)]
+        if epilogue == "bias":
+            bias = rng.standard_normal(N).astype(np.float32)
+            args.append(_t(bias))
+            want = want + bias
+        if epilogue == "residual":
+            res = rng.standard_normal((n, N)).astype(np.float32)
+            args.append(_t(res))
+            want = want + res
+        y = _t(np.zeros((n, N), np.float32))
+        kernel(*args, y)
+        _close(y.numpy(), want)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantized_prefill_swiglu(fmt):
-    I, K, n = 2 * GATE_UP_ROWS + 6, 96, 5
+    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 5
     rng = np.random.default_rng(7)
     gate, gd = _weights(fmt, I, K, 8)
     up, ud = _weights(fmt, I, K, 9)
@@ -189,13 +251,13 @@ def test_quantized_prefill_swiglu(fmt):
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantized_embedding_is_the_exact_dequantized_row(fmt):
-    V, H = 50, 96
+    V, H = 50, _k(fmt, 96, 512)
     packed, Wd = _weights(fmt, V, H)
     ids = np.array([0, 49, 7, 7], np.int32)
     x = _t(np.zeros((4, H), np.float32))
-    _compiled(quant.embedding, V, H, fmt, None)(_t(ids), _t(packed), x)
+    kernel = _compiled(quant.embedding, V, H, fmt, None)
+    kernel(_t(ids), _t(packed), x)
     np.testing.assert_array_equal(x.numpy(), Wd[ids].astype(np.float32))
     bad = _t(np.array([V], np.int32))
     with pytest.raises(Exception, match="out of range"):
-        _compiled(quant.embedding, V, H, fmt, None)(bad, _t(packed), _t(np.zeros((1, H),
-                                                                                np.float32)))
+        kernel(bad, _t(packed), _t(np.zeros((1, H), np.float32)))

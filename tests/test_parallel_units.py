@@ -74,6 +74,7 @@ def test_every_unit_runs(units, parallel):
     check_probe(units, parallel, calls=50)
 
 
+@pytest.mark.serial
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="stealing needs two cores")
 def test_idle_thread_claims_the_slow_threads_units_without_duplicating_them():
     """Units are taken from lanes another thread owns, about a quarter of them per call, and

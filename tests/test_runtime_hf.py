@@ -30,7 +30,7 @@ def llama_tied_ckpt(tmp_path_factory):
                                     "original_max_position_embeddings": 16})
     model = LlamaForCausalLM(cfg)
     _randomize(model, seed=3)
-    return _save(model, tmp_path_factory.mktemp("llama_tied"))
+    return _save(model, tmp_path_factory, "llama_tied")
 
 
 def hf_reference(path, prompt, ours):
@@ -153,3 +153,79 @@ def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
     assert len(tq) == len(t32)
     scale = np.abs(l32[0]).max()
     np.testing.assert_allclose(lq[0], l32[0], atol=QUANT_MODEL_RTOL[fmt] * scale, rtol=0)
+
+
+def _q4_k_m_like(name: str) -> str:
+    """A Q4_K_M-like mix of k-quants by GGUF tensor name: Q6_K output and layer 0's V and down
+    (llama.cpp raises those), Q5_K gate / up, Q4_K the rest."""
+    if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
+        return "q6_k"
+    if ".ffn_gate." in name or ".ffn_up." in name:
+        return "q5_k"
+    return "q4_k"
+
+
+def _hf_logits(cfg, params, tokens) -> np.ndarray:
+    """transformers' float32 logits at every position of ``tokens``, from our params dict."""
+    from paged_decode.bench.baselines import hf_model
+
+    with torch.no_grad():
+        return hf_model(cfg, params, "float32")(torch.tensor([tokens])).logits[0].numpy()
+
+
+def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_factory):
+    """A GGUF mixing Q4_K / Q5_K / Q6_K per tensor (layer 0's V apart from Q / K) runs each
+    tensor in its own format: the pack holds the file's bytes, and logits follow transformers
+    on the file's dequantized weights."""
+    from paged_decode.compile.formats import FORMATS
+    from paged_decode.compile.weights import resolve_formats, resolve_model
+
+    from .conftest import NATIVE_VS_DEQUANT_RTOL
+    from .test_weights import write_llama_gguf
+
+    path = tmp_path_factory.mktemp("kquant") / "mix.gguf"
+    cfg = resolve_model(str(llama_wide_ckpt.path)).config
+    write_llama_gguf(path, llama_wide_ckpt, cfg, formats=_q4_k_m_like)
+    source = resolve_model(str(path))
+    base, others = resolve_formats(source, "auto")
+    assert base == "q4_k"
+    assert dict(others) == {"layers.0.wv": "q6_k", "layers.0.w_down": "q6_k",
+                            "layers.0.w_gate_up": "q5_k", "layers.1.w_gate_up": "q5_k",
+                            "lm_head": "q6_k"}
+    native, floats = source.load_params(base, others), source.load_params("float32")
+    assert "layers.0.wqkv" not in native and "layers.1.wqkv" in native
+    q, kv = cfg.q_size, cfg.kv_size
+    floats_split = {"layers.0.wqk": floats["layers.0.wqkv"][:q + kv],
+                    "layers.0.wv": floats["layers.0.wqkv"][q + kv:]}
+    for name, packed in native.items():
+        if packed.dtype == np.uint8:
+            fmt = dict(others).get(name, base)
+            want = floats_split.get(name, floats.get(name))
+            np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed, want.shape[1]), want,
+                                          err_msg=name)
+    artifact, weights = load(path, block_size=4, max_context=64)
+    assert artifact.manifest.weight_dtype == "q4_k"
+    assert artifact.manifest.key["weight_formats"] == dict(others)
+    logits, tokens = run_ours(artifact, weights, PROMPT, 8)
+    want = _hf_logits(source.config, floats, PROMPT + tokens)[len(PROMPT) - 1:]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.array(logits), want, atol=NATIVE_VS_DEQUANT_RTOL * scale,
+                               rtol=0)
+
+
+def test_hf_checkpoint_quantized_to_q4_k_tracks_float(load, llama_wide_ckpt):
+    """``--weight-format q4_k`` on an HF directory: matrices in Q4_K (the LM head Q8_0), logits
+    within QUANT_MODEL_RTOL of transformers' float32 model."""
+    from paged_decode.compile.weights import resolve_model
+
+    artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k", block_size=4,
+                             max_context=64)
+    assert artifact.manifest.weight_dtype == "q4_k"
+    assert artifact.manifest.key["weight_formats"] == {"lm_head": "q8_0"}
+    logits, tokens = run_ours(artifact, weights, PROMPT, 8)
+    source = resolve_model(str(llama_wide_ckpt.path))
+    want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)
+    want = want[len(PROMPT) - 1:]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.array(logits), want, atol=QUANT_MODEL_RTOL["q4_k"] * scale,
+                               rtol=0)

@@ -254,9 +254,13 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False):
-    """A float32 GGUF of ``ckpt`` laid out the way convert_hf_to_gguf writes a Llama."""
+def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=None):
+    """A float32 GGUF of ``ckpt`` laid out the way convert_hf_to_gguf writes a Llama;
+    ``formats(gguf_name) -> format name | None``: matrices stored quantized by our quantizer
+    in that format (with a byte-level 'gpt2' vocabulary, so the file loads as a model)."""
     import gguf
+
+    from paged_decode.compile.formats import FORMATS
 
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(cfg.n_layers)
@@ -269,14 +273,25 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False):
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("llama")  # SentencePiece: export_tokenizer refuses it
+    if formats is None:
+        w.add_tokenizer_model("llama")  # SentencePiece: export_tokenizer refuses it
+    else:
+        w.add_tokenizer_model("gpt2")
+        alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+        w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     for hf_name, value in ckpt.state.items():
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.n_q_heads if ".q_proj." in hf_name else cfg.n_kv_heads
             value = llama_cpp_permute(value, heads)
-        w.add_tensor(weights.gguf_name(hf_name), np.ascontiguousarray(value))
+        name = weights.gguf_name(hf_name)
+        fmt = formats(name) if formats is not None and value.ndim == 2 else None
+        if fmt is None:
+            w.add_tensor(name, np.ascontiguousarray(value))
+        else:
+            w.add_tensor(name, FORMATS[fmt].quantize(value),
+                         raw_dtype=gguf.GGMLQuantizationType[FORMATS[fmt].gguf_type])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -29,6 +29,16 @@ def has_avx512(target) -> bool:
     return bool(llvm_cpu_has_features("avx512f", target))
 
 
+def has_avx2(target) -> bool:
+    """Whether an llvm target's CPU has AVX2, which the quantized-weight kernels use."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    try:
+        return bool(llvm_cpu_has_features("avx2", target))
+    except Exception:  # a target whose LLVM backend knows no such feature (not x86)
+        return False
+
+
 def cpu_kernels(avx512: bool = True) -> KernelSet:
     tiles = linear.TILES[avx512]
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,

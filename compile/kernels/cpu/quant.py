@@ -4,10 +4,12 @@ decoded in registers; no dequantized copy of a matrix outlives a call.
 Decode GEMV (optionally fused with the RMSNorm before it, or SwiGLU): the input vector is
 quantized once per call to int8 in blocks of 32 (``dx = max|x| / 127``, round half to even), as
 llama.cpp's decode does, and each weight block's contribution is an integer dot product
-(``pmaddubsw`` + ``pmaddwd``, four int32 lanes) scaled by ``d * dx``, plus the format's offset
-term (Q4_1's m, Q4_0's -8 d) times ``dx * sum(xq)``, precomputed per block.  Four blocks of a
-row run in four independent accumulators.  Rows are shared out in 16-row units as the float
-GEMV's are (``claimed_units``).
+(AVX2 ``vpmaddubsw`` + ``vpmaddwd`` on 256 bits, eight int32 lanes) scaled by ``d * dx``, plus
+the format's offset term (Q4_1's m, Q4_0's -8 d, the k-quants' -dmin m) times ``dx * sum(xq)``,
+precomputed per block.  Four blocks of a row run in four independent accumulators.  Rows are
+shared out in 16-row units as the float GEMV's are (``claimed_units``).  The LM head quantizes
+its input to int16 instead (``wide_x``: ``vpmaddwd`` of widened quants), as accurate as float32
+activations to ~1e-5 and faster than decoding its blocks to float.
 
 Prefill / batched matmul: each parallel task decodes its tile of weight rows to float32 once
 (a scratch of ``TN x K``) and runs the float register tile of ``linear.py`` over its block of
@@ -45,10 +47,21 @@ def as_f16(W):
     return T.decl_buffer((W.shape[0], W.shape[1] // 2), "float16", data=W.data)
 
 
-def _x_quantizer(K: int):
-    """``quantize(xs, xq, xd, xsum)``: xq (K,) int8, xd (K/32,) the blocks' dx, xsum (K/32,)
-    ``dx * sum(xq)`` over each block; xs (1, K) float32."""
+def _row_step(fmt, K: int) -> tuple[int, int, int]:
+    """(bytes per row, units per step of the row loop, bytes per step rounded up: the
+    prefetch's stride).  A k-quant row steps a whole super-block (8 units), so each unit's
+    sub-block index, and with it the decoding of its 6-bit scale, is a constant."""
+    RB = fmt.row_bytes(K)
+    U = max(ACCS, fmt.block // QBLOCK)
+    return RB, U, -(-U * QBLOCK * RB // K)
+
+
+def _x_quantizer(K: int, wide: bool = False):
+    """``quantize(xs, xq, xd, xsum)``: xq (K,) int8 (``wide``: int16), xd (K/32,) the blocks'
+    dx = max|x| / 127 (32767), xsum (K/32,) ``dx * sum(xq)`` over each block; xs (1, K)
+    float32."""
     NB = K // QBLOCK
+    QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
 
     @T.macro
     def quantize(xs, xq, xd, xsum):
@@ -57,94 +70,62 @@ def _x_quantizer(K: int):
             st[0] = T.float32(0)
             for j in range(QBLOCK):
                 st[0] = T.max(st[0], T.fabs(xs[0, b * QBLOCK + j]))
-            xd[b] = st[0] / T.float32(127)
-            st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(127) / st[0], T.float32(0))
+            xd[b] = st[0] / T.float32(QMAX)
+            st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0], T.float32(0))
             st[2] = T.float32(0)
             for j in range(QBLOCK):
-                xq[b * QBLOCK + j] = T.Cast("int8", T.nearbyint(xs[0, b * QBLOCK + j] * st[1]))
+                xq[b * QBLOCK + j] = T.Cast(QT, T.nearbyint(xs[0, b * QBLOCK + j] * st[1]))
                 st[2] = st[2] + T.Cast("float32", xq[b * QBLOCK + j])
             xsum[b] = st[2] * xd[b]
 
     return quantize
 
 
-def _row_dot(fmt, K: int):
-    """``dot(W, Wi, Wh, xq, xd, xsum, Y, r, c)``: Y[r] = row c of W . x (x as quantized)."""
+def _row_dot(fmt, K: int, wide: bool = False):
+    """``dot(W, Wi, Wh, xq, xd, xsum, Y, r, c)``: Y[r] = row c of W . x, x quantized per
+    32-block to int8 (``int_dot``), or ``wide`` to int16 (``wide_dot``: the LM head)."""
     NB = K // QBLOCK
-    BB = fmt.block_bytes
-    prefetch = prefetch_ahead_macro(64, "uint8", PREFETCH_BYTES)
+    RB, U, STEP = _row_step(fmt, K)
+    prefetch = prefetch_ahead_macro(STEP if U > ACCS else 64, "uint8", PREFETCH_BYTES)
+    unit_dot = fmt.wide_dot if wide else fmt.int_dot  # int32x8 (AVX2)
 
     @T.macro
     def block(Wv, c, b, xq, xd, xsum, acc, macc, a):
-        acc[a, T.ramp(0, 1, 4)] = acc[a, T.ramp(0, 1, 4)] + T.Cast(
-            "float32x4", fmt.int_dot(Wv, c, b, xq, b * QBLOCK)) * T.broadcast(
-            fmt.scale(Wv, c, b) * xd[b], 4)
+        acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + T.Cast(
+            "float32x8", unit_dot(Wv, c, b, xq, b * QBLOCK)) * T.broadcast(
+            fmt.scale(Wv, c, b) * xd[b], 8)
         if fmt.has_offset:
             macc[a] = macc[a] + fmt.offset(Wv, c, b) * xsum[b]
 
     @T.macro
     def dot(W, Wi, Wh, xq, xd, xsum, Y, r, c):
-        acc = T.decl_buffer((ACCS, 4), "float32")
+        acc = T.decl_buffer((ACCS, 8), "float32")
         macc = T.decl_buffer((ACCS,), "float32")
         for a in T.unroll(ACCS):
-            acc[a, T.ramp(0, 1, 4)] = T.broadcast(T.float32(0), 4)
+            acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
             macc[a] = T.float32(0)
         flat = T.decl_buffer((W.shape[0] * W.shape[1],), "uint8", data=W.data)
-        for bo in range(NB // ACCS):
-            prefetch(flat, c * (NB * BB) + bo * (ACCS * BB))
-            for a in T.unroll(ACCS):
-                block((W, Wi, Wh), c, bo * ACCS + a, xq, xd, xsum, acc, macc, a)
-        for a in T.unroll(NB % ACCS):
-            block((W, Wi, Wh), c, NB // ACCS * ACCS + a, xq, xd, xsum, acc, macc, a)
-        for v in T.vectorized(4):
+        for bo in range(NB // U):
+            prefetch(flat, c * RB + bo * STEP)
+            for a in T.unroll(U):
+                block((W, Wi, Wh), c, bo * U + a, xq, xd, xsum, acc, macc, a % ACCS)
+        for a in T.unroll(NB % U):
+            block((W, Wi, Wh), c, NB // U * U + a, xq, xd, xsum, acc, macc, a % ACCS)
+        for v in T.vectorized(8):
             acc[0, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
+        for v in T.vectorized(4):
+            acc[0, v] = acc[0, v] + acc[0, v + 4]
         Y[r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])
                 + ((macc[0] + macc[1]) + (macc[2] + macc[3])))
 
     return dot
 
 
-def _row_dot_float(fmt, K: int):
-    """``dot(W, Wi, Wh, xs, _, _, Y, r, c)``: Y[r] = row c of W . xs with float32 xs (1, K),
-    each block decoded to float32 in registers (the LM head: see ``gemv``)."""
-    NB = K // QBLOCK
-    BB = fmt.block_bytes
-    prefetch = prefetch_ahead_macro(64, "uint8", PREFETCH_BYTES)
-
-    @T.macro
-    def block(Wv, c, b, xs, acc, a):
-        acc[a, T.ramp(0, 1, 16)] = (acc[a, T.ramp(0, 1, 16)]
-                                    + fmt.dequant16(Wv, c, b, 0) * xs[0, T.ramp(b * 32, 1, 16)]
-                                    + fmt.dequant16(Wv, c, b, 1)
-                                    * xs[0, T.ramp(b * 32 + 16, 1, 16)])
-
-    @T.macro
-    def dot(W, Wi, Wh, xs, _xd, _xsum, Y, r, c):
-        acc = T.decl_buffer((ACCS, 16), "float32")
-        for a in T.unroll(ACCS):
-            acc[a, T.ramp(0, 1, 16)] = T.broadcast(T.float32(0), 16)
-        flat = T.decl_buffer((W.shape[0] * W.shape[1],), "uint8", data=W.data)
-        for bo in range(NB // ACCS):
-            prefetch(flat, c * (NB * BB) + bo * (ACCS * BB))
-            for a in T.unroll(ACCS):
-                block((W, Wi, Wh), c, bo * ACCS + a, xs, acc, a)
-        for a in T.unroll(NB % ACCS):
-            block((W, Wi, Wh), c, NB // ACCS * ACCS + a, xs, acc, a)
-        for v in T.vectorized(16):
-            acc[0, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
-        for v in T.vectorized(8):
-            acc[0, v] = acc[0, v] + acc[0, v + 8]
-        Y[r] = (((acc[0, 0] + acc[0, 4]) + (acc[0, 1] + acc[0, 5]))
-                + ((acc[0, 2] + acc[0, 6]) + (acc[0, 3] + acc[0, 7])))
-
-    return dot
-
-
-def _prepare_x(K: int, eps: float, norm: bool, float_x: bool = False):
-    """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (with
-    ``float_x``: xq is a float32 (1, K) copy of x, or its norm)."""
+def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False):
+    """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (to int8;
+    ``wide``: int16)."""
     normalize = _macros(K, eps, "float32")[0]
-    quantize = _x_quantizer(K)
+    quantize = _x_quantizer(K, wide)
 
     @T.macro
     def prepare(x, g, xq, xd, xsum):
@@ -155,15 +136,7 @@ def _prepare_x(K: int, eps: float, norm: bool, float_x: bool = False):
         else:
             quantize(x, xq, xd, xsum)
 
-    @T.macro
-    def prepare_float(x, g, xs, _xd, _xsum):
-        if norm:
-            normalize(x, g, xs)
-        else:
-            for k in T.vectorized(K):
-                xs[0, k] = x[0, k]
-
-    return prepare_float if float_x else prepare
+    return prepare
 
 
 def _check_fits(fmt, K: int):
@@ -174,16 +147,16 @@ def _check_fits(fmt, K: int):
 
 @cached
 def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
-         float_x: bool = False):
-    """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``float_x``: x stays
-    float32 and each block is decoded to float32 (the LM head, whose logits pick the token:
-    int8 activations there flip near ties; docs/design.md)."""
+         wide_x: bool = False):
+    """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``wide_x``: x quantized
+    to int16, not int8 (the LM head, whose logits pick the token: int8 activations there flip
+    near ties; docs/design.md)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     norm, NB = norm_eps is not None, K // QBLOCK
-    prepare = _prepare_x(K, norm_eps or 0.0, norm, float_x)
-    dot = _row_dot_float(fmt, K) if float_x else _row_dot(fmt, K)
-    xshape, xdt = ((1, K), "float32") if float_x else ((K,), "int8")
+    prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
+    dot = _row_dot(fmt, K, wide_x)
+    xdt = "int16" if wide_x else "int8"
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
@@ -204,14 +177,14 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
 
     @T.macro
     def body(x, g, W, y, bias, res):
-        xq = T.decl_buffer(xshape, xdt)
+        xq = T.decl_buffer((K,), xdt)
         xd = T.decl_buffer((NB,), "float32")
         xsum = T.decl_buffer((NB,), "float32")
         prepare(x, g, xq, xd, xsum)
         run_units(unit, W, xq, xd, xsum, y, bias, res)
 
     func = gemv_func(body, N, K, "uint8", epilogue, norm, _storage(fmt, N, K))
-    tag = ("_norm" if norm else "") + ("_fx" if float_x else "")
+    tag = ("_norm" if norm else "") + ("_wx" if wide_x else "")
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{wfmt}")
 
 
