@@ -39,14 +39,17 @@ def export_tokenizer(source: ModelSource, out_dir: str | Path) -> None:
                               "transformers' AutoTokenizer.save_pretrained") from e
         meta = _hf_tokenizer_meta(source.path, backend)
         shutil.copyfile(src, out_dir / "tokenizer.json")
-    elif source.kind == "gguf" and gguf_fields(source.path).get("tokenizer.ggml.model") != "none":
-        fields = gguf_fields(source.path)
+    elif source.kind == "gguf" and _has_vocabulary(fields := gguf_fields(source.path)):
         _gguf_tokenizer(fields, str(source.path)).save(str(out_dir / "tokenizer.json"))
         meta = _gguf_tokenizer_meta(fields)
     else:  # a preset, or a GGUF without a vocabulary (tokenizer.ggml.model = "none"): ids only
         _byte_tokenizer(source.config.vocab_size).save(str(out_dir / "tokenizer.json"))
         meta = {"bos_id": None, "eos_ids": [], "add_bos": False, "chat_template": None}
     (out_dir / "tokenizer_meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+
+
+def _has_vocabulary(fields: dict) -> bool:
+    return fields.get("tokenizer.ggml.model") != "none"
 
 
 def _byte_tokenizer(vocab_size: int):

@@ -64,18 +64,28 @@ def test_greedy_tokens_match_transformers(smol, hf_model, prompt):
     assert n >= 8
 
 
-def test_prefill_and_decode_logits_match_transformers(smol, hf_model):
-    artifact, weights, tok = smol
-    ids = _chat_ids(tok, PROMPTS[0])
+def _greedy_logits_and_reference(artifact, weights, hf_model, ids, steps: int = 4):
+    """Our logits after the prefill of ``ids`` and ``steps`` greedy decode steps, and
+    transformers' at the same positions of the same sequence."""
     pool = make_pool(artifact, 16)
     session = PagedDecodeSession(artifact, weights, pool)
     handle = pool.new_sequence()
     ours = [session.prefill(handle, ids)]
-    for t in range(4):
+    for _ in range(steps):
         ours.append(session.realize_token(handle, int(np.argmax(ours[-1]))))
     seq = ids + [int(np.argmax(x)) for x in ours[:-1]]
+    return ours, _hf_logits(hf_model, seq)[len(ids) - 1:]
+
+
+def _hf_logits(hf_model, seq):
     with torch.no_grad():
-        ref = hf_model(torch.tensor([seq])).logits[0, len(ids) - 1:].numpy()
+        return hf_model(torch.tensor([seq])).logits[0].numpy()
+
+
+def test_prefill_and_decode_logits_match_transformers(smol, hf_model):
+    artifact, weights, tok = smol
+    ours, ref = _greedy_logits_and_reference(artifact, weights, hf_model,
+                                             _chat_ids(tok, PROMPTS[0]))
     # 30 layers of float32 on logits of magnitude ~20: a looser bound than the tiny models'
     for step, (a, b) in enumerate(zip(ours, ref)):
         np.testing.assert_allclose(a, b, atol=20 * LOGIT_TOL["float32"], rtol=0,
@@ -94,11 +104,6 @@ def test_native_weights_are_the_files_formats(smol_native):
     artifact = smol_native[0]
     assert artifact.manifest.weight_dtype == "q4_1"
     assert artifact.manifest.key["weight_formats"] == {"embed": "q8_0"}
-
-
-def _hf_logits(hf_model, seq):
-    with torch.no_grad():
-        return hf_model(torch.tensor([seq])).logits[0].numpy()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -121,15 +126,8 @@ def test_native_greedy_tokens_follow_transformers(smol_native, hf_model, prompt)
 
 def test_native_logits_track_transformers(smol_native, hf_model):
     artifact, weights, tok = smol_native
-    ids = _chat_ids(tok, PROMPTS[0])
-    pool = make_pool(artifact, 16)
-    session = PagedDecodeSession(artifact, weights, pool)
-    handle = pool.new_sequence()
-    ours = [session.prefill(handle, ids)]
-    for _ in range(4):
-        ours.append(session.realize_token(handle, int(np.argmax(ours[-1]))))
-    seq = ids + [int(np.argmax(x)) for x in ours[:-1]]
-    ref = _hf_logits(hf_model, seq)[len(ids) - 1:]
+    ours, ref = _greedy_logits_and_reference(artifact, weights, hf_model,
+                                             _chat_ids(tok, PROMPTS[0]))
     for step, (a, b) in enumerate(zip(ours, ref)):
         tol = SMOL_NATIVE_LOGIT_TOL["prefill" if step == 0 else "decode"]
         np.testing.assert_allclose(a, b, atol=tol, rtol=0, err_msg=f"step {step}")

@@ -43,6 +43,7 @@ X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1
 # (``prefetch_nta``), on top of the hardware prefetcher; distances measured in docs/design.md.
 PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
+SWIGLU_UNIT_ROWS = RG * SWIGLU_UNIT_TILES  # act rows per SwiGLU unit
 
 
 def _macros(K: int, eps: float, wdt: str):
@@ -220,6 +221,16 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
+
+@T.macro
+def swiglu_store(act, gate, up, u, I):
+    """act[0, u UR + r] = silu(gate[r]) * up[r] for unit u's rows below I (UR: the unit's
+    SWIGLU_UNIT_ROWS; gate / up hold defined values past I)."""
+    for r in T.vectorized(SWIGLU_UNIT_ROWS):
+        gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
+    for r in range(T.min(SWIGLU_UNIT_ROWS, I - u * SWIGLU_UNIT_ROWS)):
+        act[0, u * SWIGLU_UNIT_ROWS + r] = gate[r]
+
 @cached
 def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate and up rows
@@ -250,10 +261,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
                 for r in T.vectorized(RG):
                     gate[t * RG + r] = T.float32(0)
                     up[t * RG + r] = T.float32(0)
-        for r in T.vectorized(UR):
-            gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
-        for r in range(T.min(UR, I - u * UR)):
-            act[0, u * UR + r] = gate[r]
+        swiglu_store(act, gate, up, u, I)
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),

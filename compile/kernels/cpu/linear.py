@@ -90,6 +90,17 @@ def store_macro(epilogue: str, TN: int):
     return store
 
 
+def swiglu_store_macro(TN: int):
+    """``store(act, g, u, m0, c0, rows)``: silu(gate tile) * up tile into
+    act[m0 : m0 + rows, c0 : c0 + TN]."""
+    @T.macro
+    def store(act, g, u, m0, c0, rows):
+        for r, c in T.grid(rows, TN):
+            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
+
+    return store
+
+
 @cached
 def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
     """y = x @ W.T (+ bias | + res) for a symbolic number of tokens n; ``tile`` = (tokens, at
@@ -135,10 +146,7 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     acc_tail = _reduce_macro(K, wdt, 1, TN)
     n = token_dim(None)
 
-    @T.macro
-    def store(act, g, u, m0, c0, rows):
-        for r, c in T.grid(rows, TN):
-            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
+    store = swiglu_store_macro(TN)
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, W: T.Buffer((2 * I, K), wdt), var_act: T.handle):

@@ -26,9 +26,9 @@ from ...formats import FORMATS, QBLOCK
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import gemv_func, matmul_func
-from .fastmath import fexp
-from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros
-from .linear import DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro
+from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros, swiglu_store
+from .linear import (DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro,
+                     swiglu_store_macro)
 from .simd import VL, claimed_units, prefetch_ahead_macro, scratch_buffer
 
 ACCS = 4  # independent accumulators per row (blocks in flight)
@@ -216,10 +216,7 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
                 else:
                     gate[t * RG + r] = T.float32(0)
                     up[t * RG + r] = T.float32(0)
-        for r in T.vectorized(UR):
-            gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
-        for r in range(T.min(UR, I - u * UR)):
-            act[0, u * UR + r] = gate[r]
+        swiglu_store(act, gate, up, u, I)
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
@@ -298,10 +295,7 @@ def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
     decode = _row_decoder(fmt, K)
     n = token_dim(None)
 
-    @T.macro
-    def store(act, g, u, m0, c0, rows):
-        for r, c in T.grid(rows, TN):
-            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
+    store = swiglu_store_macro(TN)
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), var_act: T.handle):
