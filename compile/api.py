@@ -196,8 +196,8 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
         batch_buckets = default_buckets(tspec.kind)
     elif batch_buckets and kernels_for(tspec.kind).paged_attention_batch is None:
         raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
-                          "batched decode kernels yet (the CPU has); build it with "
-                          "--batch-buckets none")
+                          "batched decode kernels (its device code has no int64 buffers); "
+                          "build it with --batch-buckets none")
     quantized_ok = tspec.kind == "llvm" and has_avx2(tspec.target)
     base, formats = resolve_formats(source, weight_dtype, quantized_ok=quantized_ok)
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,

@@ -27,7 +27,7 @@ from paged_decode.runtime.versions import (ABI_VERSION, MANIFEST_FORMAT, PACKAGE
 from .config import DTYPES, ModelConfig
 from .formats import FORMATS
 from .device_code import cuda_compile_callback, fatbin_packer
-from .kernels.registry import NO_DECODE_DEV, kernels_for
+from .kernels.registry import NO_INT64_BUFFERS, kernels_for
 from .model import BuildSpec, build_module
 from .params import param_specs
 from .targets import TargetSpec
@@ -147,7 +147,7 @@ def manifest_for(spec: BuildSpec, target: TargetSpec) -> dict[str, Any]:
         "k_block_layout": fields["k_block_layout"],
         "batch_buckets": list(spec.batch_buckets),
         "params": [[s.name, list(s.shape), s.dtype] for s in spec.param_specs()],
-        "functions": ((["decode", "prefill", "_metadata"] if target.kind in NO_DECODE_DEV
+        "functions": ((["decode", "prefill", "_metadata"] if target.kind in NO_INT64_BUFFERS
                        else ["decode", "decode_dev", "prefill", "_metadata"])
                       + [f"batch_decode_{b}" for b in spec.batch_buckets]),
     }

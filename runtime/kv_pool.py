@@ -117,6 +117,8 @@ class PagedKVCache:
         self._lock = threading.RLock()
         self._pools = self._new_tensors()
         self._host_views = self._make_host_views()
+        self._block_slab = (self.n_kv_heads * self.block_size * self.head_dim
+                            * np.dtype(cache_dtype).itemsize)  # one block of one pool tensor
         self._allocator = BlockAllocator(self.num_blocks)
         self._handles: dict[int, SessionHandle] = {}
         self._alloc_id = _mint(_ALLOC_IDS)
@@ -319,17 +321,31 @@ class PagedKVCache:
         """The indices (into ``blocks``) whose block has another owner."""
         return [i for i in indices if self._allocator.refcount(blocks[i]) > 1]
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Block ``src``'s K and V in every layer copied over block ``dst``'s: through the host
+        views on the CPU; elsewhere a device-to-device copy between two one-block views of each
+        pool tensor (a block is one contiguous slab of its tensor), so no data crosses to the
+        host and no kernel is compiled."""
+        if self._host_views is not None:
+            for view in self._host_views:
+                view[dst] = view[src]
+            return
+        shape = (1, *self._pools[0].shape[1:])
+        for t in self._pools:
+            t._create_view(shape, relative_byte_offset=dst * self._block_slab).copyfrom(
+                t._create_view(shape, relative_byte_offset=src * self._block_slab))
+
     def _cow_and_grow(self, handle: SessionHandle, shared: list[int], n_new: int) -> None:
         """Replace ``handle``'s shared blocks at ``shared`` by private copies, append ``n_new``."""
-        if shared and self._host_views is None:
-            raise NotImplementedError(
-                f"copy-on-write of shared KV blocks is implemented for CPU pools only, this pool "
-                f"is on {self.device}; do not fork sequences on this device")
         fresh = self._allocator.allocate(len(shared) + n_new)
         old = [handle._blocks[i] for i in shared]
-        for i, src, dst in zip(shared, old, fresh):
-            for view in self._host_views:  # every layer's K and V
-                view[dst] = view[src]
+        try:
+            for src, dst in zip(old, fresh):
+                self._copy_block(src, dst)
+        except BaseException:  # a failed device copy: the handle keeps its shared blocks,
+            self._allocator.decref(fresh[::-1])  # the free list its order (allocate pops)
+            raise
+        for i, dst in zip(shared, fresh):
             handle._blocks[i] = dst
         self._allocator.decref(old)  # each stays owned by its other holders (ref count was > 1)
         handle._blocks.extend(fresh[len(shared):])

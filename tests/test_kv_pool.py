@@ -359,19 +359,32 @@ def test_failed_copy_on_write_changes_nothing():
     assert snapshot(pool, parent, child, filler) == before
 
 
-def test_copy_on_write_off_cpu_is_not_implemented():
-    pool = small_pool()
+def test_copy_on_write_off_the_host_copies_between_device_views():
+    """A pool off the CPU has no host view: copy-on-write copies each layer's block between two
+    one-block views of its tensor on the device; forced here on CPU tensors, whose values are
+    checked.  A copy that fails leaves the handles, ref counts and free list as they were."""
+    pool = small_pool(num_blocks=6, n_layers=3)
     parent = pool.new_sequence()
-    append(pool, parent, [1.0] * (BS + 1))
+    append(pool, parent, [float(i) for i in range(BS + 2)])
     child = parent.fork()
-    pool._host_views = None  # what a non-CPU pool has: no host view to copy through
+    pool._host_views = None  # what a non-CPU pool has
+    real_copy = pool._copy_block
+    pool._copy_block = lambda src, dst: (_ for _ in ()).throw(RuntimeError("device lost"))
     before = snapshot(pool, parent, child)
-    with pytest.raises(NotImplementedError, match="CPU pools only"):
+    with pytest.raises(RuntimeError, match="device lost"):
         child.reserve(1)
     assert snapshot(pool, parent, child) == before
-    child.truncate_to(BS)
-    child.reserve(1)  # a fresh block needs no copy
-    assert pool.allocator.refcount(0) == 2
+    pool._copy_block = real_copy
+    child.reserve(1)  # copies the shared last block in all six pool tensors
+    assert child.blocks[0] == parent.blocks[0] and child.blocks[1] != parent.blocks[1]
+    assert_tokens(pool, child, [float(i) for i in range(BS + 2)])
+    off = child.write_offset(BS + 1)
+    for view in views(pool):
+        at(view, off)[...] = 42.0
+    assert_tokens(pool, parent, [float(i) for i in range(BS + 2)])
+    untouched = [v.copy() for v in views(pool)]
+    other = set(range(6)) - {*parent.blocks, *child.blocks}
+    assert all((v[list(other)] == 0).all() for v in untouched)  # no stray write
 
 
 def test_release_of_fork_keeps_shared_blocks():

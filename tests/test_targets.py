@@ -18,18 +18,21 @@ import tvm
 
 from paged_decode.compile.api import key_of
 from paged_decode.compile.device_code import device_modules
+from paged_decode.compile.kernels.registry import NO_INT64_BUFFERS
 from paged_decode.compile.targets import KINDS, resolve_target
 from paged_decode.runtime.artifact import load_artifact
 from paged_decode.runtime.errors import ArtifactError, CompileError, ConfigError
 
 from .conftest import LOGIT_TOL
 
-OPTS = dict(block_size=8, max_context=256)  # decode crosses blocks and a 128-position chunk
+# decode crosses blocks and a 128-position chunk; one batch bucket of 4 rows
+OPTS = dict(block_size=8, max_context=256, batch_buckets=(4,))
 PROMPT = [int(t) for t in np.random.default_rng(3).integers(2, 256, size=140)]
 SPLIT = 100  # prefill in two calls: positions 0..99, then 100..139 (start_pos > 0)
 STEPS = 6
 DTYPES = ("float32", "float16")
-FUNCS = ("decode", "prefill")
+FUNCS = ("decode", "prefill", "batch_decode_4")
+ATTENTION = {"decode": "attn_dec", "prefill": "attn_pre", "batch_decode_4": "attn_bat4"}
 
 _DEVICES = {  # target -> (device factory, why it cannot run here when absent)
     "cuda": (lambda: tvm.cuda(0), "no CUDA GPU (tvm.cuda(0).exist is False)"),
@@ -53,6 +56,8 @@ def _matrix(run: bool):
         marks = _build_marks(kind) + ([pytest.mark.gpu] if run and kind != "llvm" else [])
         for cdt in DTYPES:
             for func in FUNCS:
+                if func.startswith("batch") and kind in NO_INT64_BUFFERS:
+                    continue  # no batch buckets there (test_webgpu_has_no_batch_buckets)
                 yield pytest.param(kind, cdt, func, marks=marks, id=f"{kind}-{cdt}-{func}")
 
 
@@ -68,7 +73,8 @@ def artifact(build):
             if missing and kind != "vulkan":
                 pytest.skip(f"cannot build {kind} here: {missing}")
             try:
-                done[kind, cdt] = build("tiny", target=kind, cache_dtype=cdt, **OPTS)
+                opts = dict(OPTS, batch_buckets=()) if kind in NO_INT64_BUFFERS else OPTS
+                done[kind, cdt] = build("tiny", target=kind, cache_dtype=cdt, **opts)
             except CompileError as e:
                 done[kind, cdt] = e
         if isinstance(done[kind, cdt], Exception):
@@ -102,7 +108,7 @@ def test_build(artifact, kind, cdt, func):
     assert m.library == resolve_target(kind).library_name and m.link_note
     blob = _library_bytes(prepared)
     assert _vm_name(func) in blob
-    attn = {"decode": "attn_dec", "prefill": "attn_pre"}[func]
+    attn = ATTENTION[func]
     prefix = "" if kind == "llvm" else "gpu_"
     assert f"{prefix}{attn}_q4kv2d16_bs8_cap32_{cdt[0]}{cdt[-2:]}".encode() in blob
 
@@ -161,6 +167,17 @@ def test_target_names():
             resolve_target(bad)
 
 
+def test_webgpu_has_no_batch_buckets():
+    """WGSL has no int64, so a WebGPU artifact has no batched steps: none by default, and
+    asking for some names the fix."""
+    from paged_decode.compile.api import default_buckets
+
+    assert default_buckets("webgpu") == () and default_buckets("cuda") == default_buckets("llvm")
+    with pytest.raises(ConfigError, match="target webgpu has no batched decode kernels.*"
+                                          "--batch-buckets none"):
+        key_of("tiny", target="webgpu", batch_buckets=(2,))
+
+
 def test_vulkan_without_spirv_codegen_is_a_typed_error():
     missing = resolve_target("vulkan").missing_toolchain()
     if missing is None:
@@ -189,10 +206,11 @@ def _run(prepared, device) -> dict:
     from paged_decode.runtime.artifact import load_artifact, load_weights
     from paged_decode.runtime.kv_pool import PagedKVCache
     from paged_decode.runtime.session import PagedDecodeSession
+    from paged_decode.runtime.step import BatchDecodeSession
 
     artifact = load_artifact(prepared.artifact_dir, device)
     weights = load_weights(prepared.weights_dir, artifact)
-    pool = PagedKVCache.for_artifact(artifact, num_blocks=40)
+    pool = PagedKVCache.for_artifact(artifact, num_blocks=48)
     session = PagedDecodeSession(artifact, weights, pool)
     seq = pool.new_sequence()
     prefill = [session.prefill(seq, PROMPT[:SPLIT]), session.prefill(seq, PROMPT[SPLIT:])]
@@ -201,8 +219,13 @@ def _run(prepared, device) -> dict:
         tokens.append(int(np.argmax(prefill[-1] if not decode else decode[-1])))
         decode.append(session.realize_token(seq, tokens[-1]))
     replay = session.prefill(pool.new_sequence(), PROMPT + tokens)  # one prefill, same context
+    # a batched step of 3 live rows in bucket 4: the sequence, its fork (whose write copies the
+    # shared, partly filled last block on the device first) and a shorter sequence
+    child, other = seq.fork(), pool.new_sequence()
+    session.prefill(other, PROMPT[:37])
+    batch = BatchDecodeSession(artifact, weights, pool).step([seq, child, other], [5, 5, 9])
     return {"prefill": np.stack(prefill), "decode": np.stack(decode), "tokens": tokens,
-            "replay": replay}
+            "replay": replay, "batch_decode_4": batch}
 
 
 @pytest.fixture(scope="session")
@@ -220,7 +243,8 @@ def outputs(artifact):
 @pytest.mark.parametrize("kind,cdt,func", list(_matrix(run=True)))
 def test_run_matches_llvm(outputs, kind, cdt, func):
     """On the target's device: the last decode step equals one prefill over the same tokens,
-    and the logits of ``func`` (and the greedy tokens) equal the llvm artifact's."""
+    a fork's batched row equals its parent's (the copy-on-write copied the shared block), and
+    the logits of ``func`` (and the greedy tokens) equal the llvm artifact's."""
     device = _device(kind)
     got, ref = outputs(kind, cdt, device), outputs("llvm", cdt, tvm.cpu())
     assert np.isfinite(got[func]).all()
@@ -228,6 +252,7 @@ def test_run_matches_llvm(outputs, kind, cdt, func):
     np.testing.assert_allclose(got[func], ref[func], atol=LOGIT_TOL[cdt], rtol=0)
     if func == "decode":
         assert got["tokens"] == ref["tokens"]
+    np.testing.assert_array_equal(got["batch_decode_4"][1], got["batch_decode_4"][0])
 
 
 # -- the GPU kernels, numerically, on any OpenCL device (pocl runs them on the CPU) ------------
@@ -333,6 +358,49 @@ def test_gpu_prefill_attention_and_rope_on_opencl():
         ref = _ref_attention(r["q_rot"][i].reshape(hq, d), r["k_pool"], r["v_pool"], table[0],
                              start + i + 1, bs)
         np.testing.assert_allclose(out[i], ref, atol=1e-4, rtol=0)
+
+
+def test_gpu_batched_rope_and_attention_on_opencl():
+    """Ragged rows: contexts 1, 130 (two 128-position chunks) and 37, each through its own
+    permuted table row, a padding row (context 0) that writes nothing and reads zeros, and a row
+    whose offset does not match its table (writes nothing, still attends)."""
+    from paged_decode.compile.kernels.gpu.attention import (paged_attention_batch,
+                                                            rope_kv_write_batch)
+
+    hq, hkv, d, bs, cap, nb, B = 4, 2, 16, 16, 10, 40, 5
+    ctx = np.array([1, 130, 0, 37, 20], np.int64)
+    rng = np.random.default_rng(7)
+    k, v = (rng.standard_normal((nb, hkv, bs, d)).astype(np.float32) for _ in range(2))
+    table = np.stack([rng.permutation(nb)[:cap] for _ in range(B)]).astype(np.int32)
+    pos = np.maximum(ctx - 1, 0)
+    offs = table[np.arange(B), pos // bs].astype(np.int64) * bs + pos % bs
+    offs[4] += 1  # not the table's slot for position 19: the row must write nothing
+    qkv = rng.standard_normal((B, (hq + 2 * hkv) * d)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    r = _launch(rope_kv_write_batch(hq, hkv, d, bs, cap, "float32", B),
+                dict(qkv=qkv, k_pool=k, v_pool=v, inv_freq=inv_freq, bt=table, write_offs=offs,
+                     context_lens=ctx, q_rot=np.zeros((B, hq * d), np.float32)),
+                dict(num_blocks=nb), (hq + 2 * hkv, B, 1), (d // 2, 1, 1))
+    k_want, v_want = k.copy(), v.copy()
+    for row in (0, 1, 3):  # the live rows with matching offsets
+        ang = pos[row] * inv_freq.astype(np.float64)
+        x = qkv[row, hq * d:(hq + hkv) * d].reshape(hkv, d).astype(np.float64)
+        rot = np.concatenate([x[:, :d // 2] * np.cos(ang) - x[:, d // 2:] * np.sin(ang),
+                              x[:, d // 2:] * np.cos(ang) + x[:, :d // 2] * np.sin(ang)], -1)
+        blk, slot = offs[row] // bs, offs[row] % bs
+        k_want[blk, :, slot] = rot
+        v_want[blk, :, slot] = qkv[row, (hq + hkv) * d:].reshape(hkv, d)
+    np.testing.assert_allclose(r["k_pool"], k_want, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(r["v_pool"], v_want)
+    out = _launch(paged_attention_batch(hq, hkv, d, bs, cap, "float32", B),
+                  dict(q=r["q_rot"], k_pool=r["k_pool"], v_pool=r["v_pool"], bt=table,
+                       context_lens=ctx, out=np.full((B, hq * d), np.nan, np.float32)),
+                  dict(num_blocks=nb), (hq, B, 1), (128, 1, 1))["out"]
+    np.testing.assert_array_equal(out[2], 0)
+    for row in (0, 1, 3, 4):
+        ref = _ref_attention(r["q_rot"][row].reshape(hq, d), r["k_pool"], r["v_pool"],
+                             table[row], ctx[row], bs)
+        np.testing.assert_allclose(out[row], ref, atol=1e-4, rtol=0, err_msg=f"row {row}")
 
 
 @pytest.mark.parametrize("N,K", [(40, 72), (8448, 576)])  # 1 and 4 rows per warp

@@ -36,9 +36,10 @@ class KernelSet:
     paged_attention_batch: Callable | None = None
 
 
-# Targets whose device code cannot hold the int64 buffers of the ``*_decode_dev`` kernels
-# (WGSL has no i64): their artifacts have no ``decode_dev``.
-NO_DECODE_DEV = ("webgpu",)
+# Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have
+# no ``decode_dev`` (int64 context_len / write_off tensors) and no batch buckets (int64
+# context_lens / write_offs per row).
+NO_INT64_BUFFERS = ("webgpu",)
 
 
 def kernels_for(target_kind: str, target=None) -> KernelSet:
@@ -51,7 +52,8 @@ def kernels_for(target_kind: str, target=None) -> KernelSet:
         return cpu_kernels(avx512=target is None or has_avx512(target))
     from .gpu import gpu_kernels
 
-    if target_kind in NO_DECODE_DEV:
+    if target_kind in NO_INT64_BUFFERS:
         return dataclasses.replace(gpu_kernels(), rope_kv_write_decode_dev=None,
-                                   paged_attention_decode_dev=None)
+                                   paged_attention_decode_dev=None, rope_kv_write_batch=None,
+                                   paged_attention_batch=None)
     return gpu_kernels()

@@ -11,4 +11,6 @@ def gpu_kernels() -> KernelSet:
                      linear.linear_swiglu, attention.rope_kv_write_decode,
                      attention.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, attention.rope_kv_write_decode_dev,
-                     attention.paged_attention_decode_dev)
+                     attention.paged_attention_decode_dev,
+                     rope_kv_write_batch=attention.rope_kv_write_batch,
+                     paged_attention_batch=attention.paged_attention_batch)

@@ -47,8 +47,9 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
     block_sum = block_reduce(NT, "sum", "prob_sum")
 
     @T.macro
-    def attend(q, k_pool, v_pool, bt, out, row, h, ctx, qs, ps, accs, mx, sm, st):
-        """out[row, h] = softmax(q k^T / sqrt(D)) V over positions [0, ctx) of the table.
+    def attend(q, k_pool, v_pool, bt, out, row, h, ctx, qs, ps, accs, mx, sm, st, trow=0):
+        """out[row, h] = softmax(q k^T / sqrt(D)) V over positions [0, ctx) of table row
+        ``trow`` (0 when ``ctx`` is 0: no position, no weight).
 
         st (local): running max, running sum, rescale, this thread's score, its accumulator."""
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -61,12 +62,12 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 st[3] = T.float32(NEG)
                 if c * NT + tx < ctx:
-                    if 0 <= bt[0, (c * NT + tx) // bs] and T.Cast(
-                            "int64", bt[0, (c * NT + tx) // bs]) < nb:
+                    if 0 <= bt[trow, (c * NT + tx) // bs] and T.Cast(
+                            "int64", bt[trow, (c * NT + tx) // bs]) < nb:
                         st[3] = T.float32(0)
                         for d in range(D):
                             st[3] = st[3] + qs[d] * T.Cast("float32", k_pool[
-                                T.Cast("int64", bt[0, (c * NT + tx) // bs]), h // G,
+                                T.Cast("int64", bt[trow, (c * NT + tx) // bs]), h // G,
                                 (c * NT + tx) % bs, d])
                         st[3] = st[3] * T.float32(scale)
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -83,11 +84,11 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
                 st[4] = st[4] * st[2]
                 for j in range(NT // PG):
                     if c * NT + j * PG + tx // D < ctx:
-                        if 0 <= bt[0, (c * NT + j * PG + tx // D) // bs] and T.Cast(
-                                "int64", bt[0, (c * NT + j * PG + tx // D) // bs]) < nb:
+                        if 0 <= bt[trow, (c * NT + j * PG + tx // D) // bs] and T.Cast(
+                                "int64", bt[trow, (c * NT + j * PG + tx // D) // bs]) < nb:
                             st[4] = st[4] + ps[j * PG + tx // D] * T.Cast("float32", v_pool[
-                                T.Cast("int64", bt[0, (c * NT + j * PG + tx // D) // bs]), h // G,
-                                (c * NT + j * PG + tx // D) % bs, tx % D])
+                                T.Cast("int64", bt[trow, (c * NT + j * PG + tx // D) // bs]),
+                                h // G, (c * NT + j * PG + tx // D) % bs, tx % D])
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             accs[tx] = st[4]
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -95,7 +96,7 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
                 st[4] = T.float32(0)
                 for p in range(PG):
                     st[4] = st[4] + accs[p * D + tx]
-                out[row, h * D + tx] = st[4] / st[1]
+                out[row, h * D + tx] = T.if_then_else(st[1] > 0, st[4] / st[1], T.float32(0))
 
     return attend, NT
 
@@ -143,7 +144,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
     """``paged_attention_decode`` with ``context_len`` in a (1,) int64 device buffer.  The
     host cannot assert on device data, so the range check becomes a guard: the context is
     clamped to ``max_blocks_cap * block_size`` (no read past the table) and a context below 1
-    attends nothing (the output is 0 / 0)."""
+    attends nothing (the output is 0)."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
     body = _decode_attn_body(Hq, Hkv, D, bs, nb)
 
@@ -310,3 +311,70 @@ def rope_kv_write_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
                                    and T.Cast("int64", bt[0, (start_pos + i) // bs]) < nb, hd, d)
 
     return finalize(func, f"rope_kv_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, B: int):
+    """Ragged batched decode (the CPU kernel's signature, ``kernels/cpu/batch.py``): row ``r`` at
+    position ``context_lens[r] - 1`` written at ``write_offs[r]``, one block per (row, head).
+    The lengths and offsets are device data, so the range checks are guards, as in the
+    ``_dev`` variant: a row whose context is outside [1, max_blocks_cap * block_size], whose
+    offset is outside the pool or does not match its table at ``context_len - 1`` writes
+    nothing (context 0: a padding row)."""
+    rope_write = _rope_macro(Hq, Hkv, D, cdt)
+    QKV, bs, H = (Hq + 2 * Hkv) * D, block_size, Hq + 2 * Hkv
+    nb = tirx.Var("num_blocks", "int64")
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((B, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((B, cap), "int32"),
+             write_offs: T.Buffer((B,), "int64"), context_lens: T.Buffer((B,), "int64"),
+             q_rot: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            for r in T.thread_binding(B, thread="blockIdx.y"):
+                for hd in T.thread_binding(H, thread="blockIdx.x"):
+                    for d in T.thread_binding(D // 2, thread="threadIdx.x"):
+                        rope_write(
+                            qkv, k_pool, v_pool, inv_freq, q_rot, r,
+                            T.max(context_lens[r] - 1, T.int64(0)),
+                            write_offs[r] // bs, write_offs[r] % bs,
+                            1 <= context_lens[r] and context_lens[r] <= cap * bs
+                            and 0 <= write_offs[r] and write_offs[r] < nb * bs
+                            and T.Cast("int64", bt[r, T.max(T.min(
+                                (context_lens[r] - 1) // bs, T.int64(cap - 1)), T.int64(0))])
+                            * bs + (context_lens[r] - 1) % bs == write_offs[r], hd, d)
+
+    return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+@cached
+def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
+                          B: int):
+    """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
+    table row, one block per (row, query head); the context is clamped to [0, max_blocks_cap
+    * block_size] (device data: a guard), and a padding row (context 0) gets zeros."""
+    bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((B, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((B, cap), "int32"), context_lens: T.Buffer((B,), "int64"),
+             out: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
+            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
+            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
+            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
+            for r in T.thread_binding(B, thread="blockIdx.y"):
+                for h in T.thread_binding(Hq, thread="blockIdx.x"):
+                    attend(q, k_pool, v_pool, bt, out, r, h,
+                           T.max(T.min(context_lens[r], T.int64(cap * bs)), T.int64(0)), qs, ps,
+                           accs, mx, sm, st, r)
+
+    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
