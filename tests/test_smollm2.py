@@ -1,4 +1,6 @@
-"""The real model: SmolLM2-135M-Instruct from its Q4_1 GGUF, against transformers on the same file."""
+"""The real model: SmolLM2-135M-Instruct from its Q4_1 GGUF, run natively, against transformers
+on the same file.  (The float32 path's exact agreement with transformers is checked on random
+HF checkpoints in test_runtime_hf.py, whose builds are far smaller.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.session import PagedDecodeSession
 from paged_decode.runtime.tokenizer import Tokenizer
 
-from .conftest import LOGIT_TOL, SMOL_NATIVE_LOGIT_TOL, make_pool
+from .conftest import SMOL_NATIVE_LOGIT_TOL, make_pool
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers."]
@@ -19,23 +21,13 @@ N_TOKENS = 32
 pytestmark = pytest.mark.slow
 
 
-def _smol(load, build, smollm_gguf, weight_dtype):
-    opts = {"block_size": 16, "max_context": 256, "weight_dtype": weight_dtype}
-    prepared = build(str(smollm_gguf), **opts)
-    artifact, weights = load(str(smollm_gguf), **opts)
-    return artifact, weights, Tokenizer.from_dir(prepared.weights_dir)
-
-
-@pytest.fixture(scope="module")
-def smol(load, build, smollm_gguf):
-    """Dequantized to float32: the same arithmetic as transformers."""
-    return _smol(load, build, smollm_gguf, "float32")
-
-
 @pytest.fixture(scope="module")
 def smol_native(load, build, smollm_gguf):
     """The file's own Q4_1 / Q8_0 blocks (the default)."""
-    return _smol(load, build, smollm_gguf, "auto")
+    opts = {"block_size": 16, "max_context": 256, "weight_dtype": "auto"}
+    prepared = build(str(smollm_gguf), **opts)
+    artifact, weights = load(str(smollm_gguf), **opts)
+    return artifact, weights, Tokenizer.from_dir(prepared.weights_dir)
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +41,6 @@ def hf_model(smollm_gguf):
 def _chat_ids(tok, prompt):
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]),
                       add_bos=False)
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_match_transformers(smol, hf_model, prompt):
-    artifact, weights, tok = smol
-    ids = _chat_ids(tok, prompt)
-    ours = Generator(artifact, weights, make_pool(artifact, 16)).generate(ids, N_TOKENS)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=N_TOKENS, do_sample=False)
-    theirs = out[0, len(ids):].tolist()
-    n = min(len(ours), len(theirs))  # transformers stops at eos, ours yields it and stops too
-    assert ours[:n] == theirs[:n], (tok.decode(ours), tok.decode(theirs))
-    assert n >= 8
 
 
 def _greedy_logits_and_reference(artifact, weights, hf_model, ids, steps: int = 4):
@@ -80,24 +59,6 @@ def _greedy_logits_and_reference(artifact, weights, hf_model, ids, steps: int = 
 def _hf_logits(hf_model, seq):
     with torch.no_grad():
         return hf_model(torch.tensor([seq])).logits[0].numpy()
-
-
-def test_prefill_and_decode_logits_match_transformers(smol, hf_model):
-    artifact, weights, tok = smol
-    ours, ref = _greedy_logits_and_reference(artifact, weights, hf_model,
-                                             _chat_ids(tok, PROMPTS[0]))
-    # 30 layers of float32 on logits of magnitude ~20: a looser bound than the tiny models'
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        np.testing.assert_allclose(a, b, atol=20 * LOGIT_TOL["float32"], rtol=0,
-                                   err_msg=f"step {step}")
-
-
-def test_answers_in_english(smol):
-    artifact, weights, tok = smol
-    gen = Generator(artifact, weights, make_pool(artifact, 16))
-    text = tok.decode(gen.generate(_chat_ids(tok, PROMPTS[0]), 16, stop_ids=tok.eos_ids),
-                      skip_special_tokens=True)
-    assert "Paris" in text
 
 
 def test_native_weights_are_the_files_formats(smol_native):
