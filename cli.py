@@ -328,21 +328,26 @@ def cache_cmd(artifacts, clear):
               help="weight and KV-cache dtype (repeatable); quantized: gguf (a GGUF model's "
               "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "
               "model, read by both engines, KV cache float16")
+@click.option("--section", "sections", multiple=True, type=click.Choice(["decode", "batch"]),
+              default=["decode"], show_default=True,
+              help="what to measure (repeatable): decode = one sequence's decode and prefill; "
+              "batch = aggregate tokens/s of steps over b = 1..32 sequences against the "
+              "measured bandwidth and FMA roofs, llama.cpp's batch API and HF generate")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
               help="rounds of back-to-back measurements, ratios paired per round "
-                   "[default: 4, --quick 2]")
+                   "[default: decode 4, batch 3; --quick 2 / 1]")
 @click.option("--block-size", default=None, type=int,
               help="KV-cache block size of the artifacts measured (default: the CPU's, 64)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @_clean_errors
-def bench_cmd(models, out, dtypes, quick, rounds, block_size, artifacts):
+def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.bench.run import run_bench
 
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
                        dtypes=tuple(dtypes), rounds=rounds, block_size=block_size,
-                       progress=_progress)
+                       sections=tuple(dict.fromkeys(sections)), progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
 

@@ -194,26 +194,122 @@ def median_ms(step, n_tokens: int, warmup_s: float, min_warmup: int = 3) -> floa
     return float(np.median(times) * 1e3)
 
 
+def time_hf_batched(model, rows, context: int, steps: int) -> dict:
+    """``{b: ms per step}``: HF ``generate`` (greedy) on ``b`` prompts of ``context - 1`` tokens,
+    the time of ``steps + 1`` new tokens less that of one (the prefill and first token), over
+    ``steps``."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    out = {}
+    with torch.inference_mode():
+        for b in rows:
+            ids = torch.from_numpy(rng.integers(0, vocab, (b, context - 1)))
+
+            def generate(n):
+                t0 = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+                return time.perf_counter() - t0
+
+            generate(2)  # warm: this batch size's first call
+            one, many = generate(1), generate(steps + 1)
+            out[b] = max(many - one, 0.0) / steps * 1e3
+    return out
+
+
+class _BatchedLlama:
+    """llama.cpp's batch API on a loaded model: a context of ``n_seq`` sequences (``n_seq_max``,
+    a KV stream per sequence), each prefilled to ``context - 1`` random tokens; :meth:`step`
+    decodes one token for each of the first ``b`` in one ``llama_decode`` call, logits for every
+    row (as a serving engine needs them), :meth:`rewind` cuts them back."""
+
+    def __init__(self, llm, n_seq: int, context: int, room: int, threads: int, ggml_type: int):
+        import llama_cpp as lc
+
+        self._lc, self.context = lc, context
+        p = lc.llama_context_default_params()
+        per_seq = -(-(context + room) // 256) * 256  # llama.cpp pads each stream to 256
+        p.n_seq_max, p.n_ctx = n_seq, n_seq * per_seq
+        p.n_batch = p.n_ubatch = 512
+        p.n_threads = p.n_threads_batch = threads
+        p.type_k = p.type_v = ggml_type
+        p.kv_unified = False
+        self.ctx = lc.llama_init_from_model(llm.model, p)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {n_seq} sequences")
+        self.batch = lc.llama_batch_init(512, 0, 1)
+        self.mem = lc.llama_get_memory(self.ctx)
+        rng = np.random.default_rng(0)
+        for s in range(n_seq):
+            ids = rng.integers(0, llm.n_vocab(), context - 1).tolist()
+            for i in range(0, len(ids), 512):
+                chunk = ids[i:i + 512]
+                self._decode(chunk, range(i, i + len(chunk)), [s] * len(chunk))
+        self.pos = [context - 1] * n_seq
+
+    def _decode(self, tokens, positions, seqs, all_logits: bool = False) -> None:
+        bt = self.batch
+        bt.n_tokens = len(tokens)
+        for i, (t, p, s) in enumerate(zip(tokens, positions, seqs)):
+            bt.token[i], bt.pos[i], bt.n_seq_id[i] = t, p, 1
+            bt.seq_id[i][0] = s
+            bt.logits[i] = all_logits or i == len(tokens) - 1
+        rc = self._lc.llama_decode(self.ctx, bt)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def step(self, b: int) -> None:
+        self._decode([1] * b, self.pos[:b], range(b), all_logits=True)
+        for s in range(b):
+            self.pos[s] += 1
+
+    def rewind(self, b: int) -> None:
+        for s in range(b):
+            self._lc.llama_memory_seq_rm(self.mem, s, self.context - 1, -1)
+            self.pos[s] = self.context - 1
+
+    def close(self) -> None:
+        self._lc.llama_batch_free(self.batch)
+        self._lc.llama_free(self.ctx)
+
+
 def llamacpp_server(conn, gguf_path: str, n_ctx: int, threads: int, cache_dtype: str) -> None:
     """Child-process loop serving timing requests on one loaded llama.cpp model, so rounds of
     ours and llama.cpp can alternate without reloading.  Requests (tuples over ``conn``):
     ``("decode", ctx, n_tokens, warmup_s)`` -> median ms/token with ``ctx - 1`` tokens of context
     (the prompt is evaluated once per ctx and its state restored for later rounds);
-    ``("prefill", n)`` -> tokens/s of a second ``n``-token prefill; ``("close",)``."""
+    ``("prefill", n)`` -> tokens/s of a second ``n``-token prefill; ``("batch", b, ctx, n_seq,
+    n_steps, warmup_s)`` -> median ms of a step decoding one token for each of ``b`` sequences at
+    context ``ctx`` (:class:`_BatchedLlama`, made on the first such request for ``n_seq``
+    sequences at that context); ``("close",)``."""
     from llama_cpp import Llama
 
     ggml_type = {"float32": 0, "float16": 1}[cache_dtype]
     rss_before = peak_rss_mb()
     llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                 n_batch=512, verbose=False, type_k=ggml_type, type_v=ggml_type)
-    rng, vocab, states = np.random.default_rng(0), llm.n_vocab(), {}
+    rng, vocab, states, batched = np.random.default_rng(0), llm.n_vocab(), {}, None
     llm.eval([1, 2, 3])  # first-call set-up out of the timings
     conn.send("ready")
     while True:
         req = conn.recv()
         if req[0] == "close":
+            if batched is not None:
+                batched.close()
             conn.close()
             return
+        if req[0] == "batch":
+            _, b, ctx, n_seq, n_steps, warmup_s = req
+            if batched is None:  # room for the warm-up's 48 calls and the timed ones
+                batched = _BatchedLlama(llm, n_seq, ctx, 48 + n_steps + 16, threads, ggml_type)
+            if (batched.context, len(batched.pos)) != (ctx, n_seq):
+                raise ValueError(f"batched requests must keep context {batched.context} and "
+                                 f"{len(batched.pos)} sequences (got {ctx}, {n_seq})")
+            batched.rewind(n_seq)
+            conn.send(median_ms(lambda: batched.step(b), n_steps, warmup_s))
+            continue
         if req[0] == "rss":
             conn.send({"peak_rss_mb": peak_rss_mb(), "before_load_mb": rss_before})
             continue
@@ -266,6 +362,9 @@ class LlamaCpp:
 
     def prefill_tps(self, n: int) -> float:
         return self._call_reply("prefill", n)
+
+    def batch_ms(self, b: int, ctx: int, n_seq: int, n_steps: int, warmup_s: float) -> float:
+        return self._call_reply("batch", b, ctx, n_seq, n_steps, warmup_s)
 
     def rss(self) -> dict:
         """The child's peak RSS so far and its RSS before loading the model, MB."""

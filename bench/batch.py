@@ -1,76 +1,160 @@
-"""Aggregate decode throughput of batched steps: tokens/s at b = 1, 2, 4, ... sequences per step.
+"""``paged-bench --section batch``: aggregate decode throughput of batched steps against the
+machine's two roofs, llama.cpp's batch API and HF transformers' batched ``generate``.
 
-``python -m paged_decode.bench.batch --model llama-160m --dtype float16`` prints a Markdown
-table: per b, the median step time over rounds, the aggregate tokens/s and its ratio to b = 1.
-Every sequence sits at the same context length; the steps of one round run back to back on a
-pool holding all of them (each sequence's blocks scattered among the others').
+Every sequence sits at the same context length.  Each round, for each b: a bracketed group
+(bandwidth and FMA peak readings, our step over b sequences, llama.cpp's step over b sequences
+(``n_seq_max`` sequences, one ``llama_decode`` of b tokens), ours again, the roofs again);
+ratios are taken within a group, so a bandwidth regime flip between groups moves both engines.
+HF ``generate`` runs once per b after the rounds, in a process of its own.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import numpy as np
 
+from . import baselines
+from .baselines import median_ms
+from .roofs import measure_bandwidth, measure_fma_peak, roof_tps, step_cost, streamed_params
+
 ROWS = (1, 2, 4, 8, 16, 32)
+FULL = dict(rows=ROWS, context=128, steps=16, rounds=3, bw_mb=512, warmup_s=0.3)
+QUICK = dict(rows=(1, 2, 4), context=16, steps=4, rounds=1, bw_mb=64, warmup_s=0.05)
+# the issue's goals, checked in the report: b = 8 and b = 32 over b = 1, b = 16 over llama.cpp
+# and against the roof
+GOALS = {"over_b1": {8: 4.0, 32: 8.0}, "vs_llamacpp": {16: 2.0}, "roof_fraction": {16: 0.6}}
 
 
-def measure(prepared, rows=ROWS, context: int = 128, steps: int = 16, rounds: int = 3) -> dict:
-    """``{b: median seconds per step}`` for each ``b`` in ``rows``."""
-    from paged_decode.runtime.artifact import load_artifact, load_weights
-    from paged_decode.runtime.kv_pool import PagedKVCache
-    from paged_decode.runtime.step import BatchDecodeSession
+class OursBatched:
+    """Our batched step over ``max(rows)`` sequences of one pool, each prefilled to ``context -
+    1`` tokens one after another (each sequence's blocks scattered among the others' as they
+    grow in turn); :meth:`step_ms` times the bucket holding the first ``b``."""
 
-    artifact = load_artifact(prepared.artifact_dir)
-    weights = load_weights(prepared.weights_dir, artifact)
-    bs = artifact.block_size
-    per_seq = -(-(context + steps * rounds + 8) // bs)
-    pool = PagedKVCache.for_artifact(artifact, num_blocks=per_seq * max(rows))
-    session = BatchDecodeSession(artifact, weights, pool)
-    rng = np.random.default_rng(0)
-    vocab = artifact.manifest.vocab_size
-    seqs = [pool.new_sequence() for _ in range(max(rows))]
-    for h in seqs:  # interleaved growth: each sequence's blocks scattered among the others'
-        session._single.prefill(h, rng.integers(0, vocab, context).tolist())
-    out = {}
-    for b in rows:
-        handles, tokens = seqs[:b], [1] * b
-        session.step(handles, tokens)  # warm: the bucket's plan is built here
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                session.step(handles, tokens)
-            times.append((time.perf_counter() - t0) / steps)
-        for h in handles:
-            h.truncate_to(context)
-        out[b] = float(np.median(times))
-    return out
+    def __init__(self, prepared, rows, context: int, steps: int):
+        from paged_decode.runtime.artifact import load_artifact, load_weights
+        from paged_decode.runtime.kv_pool import PagedKVCache
+        from paged_decode.runtime.step import BatchDecodeSession
 
+        self.artifact = load_artifact(prepared.artifact_dir)
+        self.weights = load_weights(prepared.weights_dir, self.artifact)
+        m, self.context = self.artifact.manifest, context
+        missing = sorted(set(rows) - set(m.batch_buckets) - {1})
+        if missing:
+            raise ValueError(f"the artifact has no batch bucket for b = {missing} (buckets "
+                             f"{list(m.batch_buckets)}); build it with --batch-buckets that "
+                             "cover them")
+        per_seq = -(-(context + 48 + steps + 8) // m.block_size)
+        self.pool = PagedKVCache.for_artifact(self.artifact, num_blocks=per_seq * max(rows))
+        self.session = BatchDecodeSession(self.artifact, self.weights, self.pool)
+        rng = np.random.default_rng(0)
+        self.seqs = [self.pool.new_sequence() for _ in range(max(rows))]
+        for h in self.seqs:
+            self.session._single.prefill(h, rng.integers(0, m.vocab_size, context - 1).tolist())
 
-def table(model: str, dtype: str, result: dict) -> str:
-    base = 1 / result[min(result)]
-    lines = [f"{model} {dtype}: aggregate decode throughput",
-             "", "| b | ms / step | tokens/s | over b = 1 |", "|---|---|---|---|"]
-    for b, sec in result.items():
-        lines.append(f"| {b} | {sec * 1e3:.2f} | {b / sec:.0f} | {b / sec / base:.2f} |")
-    return "\n".join(lines)
+    def step_ms(self, b: int, steps: int, warmup_s: float) -> float:
+        handles, tokens = self.seqs[:b], [1] * b
+        try:
+            return median_ms(lambda: self.session.step(handles, tokens), steps, warmup_s)
+        finally:
+            for h in handles:
+                h.truncate_to(self.context - 1)
 
 
-def main(argv=None) -> None:
-    from paged_decode.compile.api import prepare
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-160m")
-    ap.add_argument("--dtype", default="float16", choices=("float32", "float16"))
-    ap.add_argument("--context", type=int, default=128)
-    ap.add_argument("--artifacts", default=None)
-    args = ap.parse_args(argv)
-    prepared = prepare(args.model, max_context=1024, cache_dtype=args.dtype,
-                       weight_dtype=args.dtype, artifacts=args.artifacts)
-    print(table(args.model, args.dtype, measure(prepared, context=args.context)))
+def _roofs(cfg: dict) -> dict:
+    return {"bandwidth_gbps": measure_bandwidth(cfg["bw_mb"]), "fma_gflops": measure_fma_peak()}
 
 
-if __name__ == "__main__":
-    main()
+def _group(ours: OursBatched, lc, b: int, cfg: dict, n_seq: int, cost: dict) -> dict:
+    """One bracketed group at ``b``: roofs, ours, llama.cpp, ours, roofs; the group's roof from
+    its mean readings."""
+    before = _roofs(cfg)
+    warm = cfg["warmup_s"]
+    g = {"ours_ms": [ours.step_ms(b, cfg["steps"], warm)]}
+    if lc is not None:
+        g["llama.cpp_ms"] = lc.batch_ms(b, cfg["context"], n_seq, cfg["steps"], warm)
+    g["ours_ms"].append(ours.step_ms(b, cfg["steps"], warm))
+    after = _roofs(cfg)
+    g["bandwidth_gbps"] = [before["bandwidth_gbps"], after["bandwidth_gbps"]]
+    g["fma_gflops"] = [before["fma_gflops"], after["fma_gflops"]]
+    g["roof"] = roof_tps(cost, b, float(np.mean(g["bandwidth_gbps"])),
+                         float(np.mean(g["fma_gflops"])))
+    return g
+
+
+def _tps(b: int, ms: float) -> float:
+    return b / (ms / 1e3)
+
+
+def _spread(values) -> dict:
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values))}
+
+
+def summarize(groups: dict, hf: dict | None) -> dict:
+    """Per b: our tokens/s (median over every reading), over b = 1 (medians), the fraction of
+    each group's roof and the ratio to llama.cpp within each group (median (min-max) over the
+    groups), llama.cpp's and HF's tokens/s; and the goals met or not."""
+    base = None
+    per_b = {}
+    for b, gs in groups.items():
+        ours = float(np.median([_tps(b, ms) for g in gs for ms in g["ours_ms"]]))
+        base = ours if base is None else base
+        geo = [_tps(b, float(np.sqrt(np.prod(g["ours_ms"])))) for g in gs]
+        row = {"tps": ours, "over_b1": ours / base,
+               "roof_tps": float(np.median([g["roof"]["tps"] for g in gs])),
+               "bound": gs[0]["roof"]["bound"],
+               "roof_fraction": _spread([t / g["roof"]["tps"] for t, g in zip(geo, gs)])}
+        if all("llama.cpp_ms" in g for g in gs):
+            lc = [_tps(b, g["llama.cpp_ms"]) for g in gs]
+            row["llama.cpp_tps"] = float(np.median(lc))
+            row["vs_llamacpp"] = _spread([t / lt for t, lt in zip(geo, lc)])
+            row["llama.cpp_roof_fraction"] = _spread(
+                [lt / g["roof"]["tps"] for lt, g in zip(lc, gs)])
+        if hf and b in hf:
+            row["hf_tps"] = _tps(b, hf[b]) if hf[b] > 0 else None
+        per_b[b] = row
+    goals = {}
+    for kind, want in GOALS.items():
+        for b, target in want.items():
+            if b not in per_b or (kind == "vs_llamacpp" and "vs_llamacpp" not in per_b[b]):
+                continue
+            got = per_b[b][kind]
+            got = got["median"] if isinstance(got, dict) else got
+            goals[f"{kind} b={b}"] = {"goal": target, "got": got, "met": got >= target}
+    return {"per_b": per_b, "goals": goals}
+
+
+def _hf_batch_child(source, rows, context: int, steps: int) -> dict:
+    import os
+
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = baselines.hf_model(source.config, source.load_params("float32"), "float32")
+    return baselines.time_hf_batched(model, rows, context, steps)
+
+
+def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child) -> dict:
+    """The batched section for one model x dtype (``lc``: a started ``baselines.LlamaCpp`` or
+    None; ``in_child(fn, *args)`` runs HF in a process of its own)."""
+    import importlib.util
+
+    rows = tuple(cfg["rows"])
+    ours = OursBatched(prepared, rows, cfg["context"], cfg["steps"])
+    m = ours.artifact.manifest
+    weight_bytes = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+                       for t in streamed_params(m, ours.weights))
+    kv_size = np.dtype(m.cache_dtype).itemsize
+    costs = {b: step_cost(source.config, b, cfg["context"], weight_bytes, kv_size) for b in rows}
+    groups = {b: [] for b in rows}
+    for r in range(cfg["rounds"]):
+        say(f"  batched round {r + 1}/{cfg['rounds']}")
+        for b in rows:
+            groups[b].append(_group(ours, lc, b, cfg, max(rows), costs[b]))
+    if importlib.util.find_spec("transformers") is None:
+        hf = {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
+    else:
+        say("  HF transformers batched generate (float32)")
+        hf = in_child(_hf_batch_child, source, rows, cfg["context"], cfg["steps"])
+    out = summarize(groups, hf if "skipped" not in hf else None)
+    return {"context": cfg["context"], "rows": list(rows), "costs": costs, "groups": groups,
+            "hf_ms": hf, **out}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 
 def _fmt(x, digits=2):
     return "—" if x is None else f"{x:.{digits}f}"
@@ -127,18 +129,69 @@ def _memory_lines(report: dict) -> list[str]:
     return lines
 
 
+def _cell(d: dict | None, digits: int = 2) -> str:
+    return "—" if d is None else _fmt_spread(d, digits)
+
+
+def _batch_lines(report: dict) -> list[str]:
+    """The batched section: per run, tokens/s per b against the roofs and the baselines, and
+    the goals."""
+    lines = []
+    for r in report.get("batch_runs", []):
+        groups = [g for gs in r["groups"].values() for g in gs]
+        bw = [x for g in groups for x in g["bandwidth_gbps"]]
+        peak = [x for g in groups for x in g["fma_gflops"]]
+        lc = r.get("llama.cpp", {})
+        hf = r["hf_ms"]
+        lines += ["", f"Batched decode, {r['model']} {r['dtype']}: b sequences at context "
+                  f"{r['context']}, one token each per step. Roofs measured in the run: read "
+                  f"bandwidth {np.median(bw):.1f} GB/s ({min(bw):.1f}-{max(bw):.1f}), float32 "
+                  f"FMA peak {np.median(peak):.0f} GFLOP/s ({min(peak):.0f}-{max(peak):.0f}); "
+                  "a point's roof is b / max(bytes / bandwidth, flops / peak) at its group's "
+                  "readings. Ours tokens/s: median of every reading; fractions and ratios: "
+                  "median (min-max) over the groups (each times ours, llama.cpp, ours back to "
+                  "back)."
+                  + (f" llama.cpp: skipped ({lc['skipped']})." if "skipped" in lc else "")
+                  + (f" HF: skipped ({hf['skipped']})." if "skipped" in hf else ""), "",
+                  "| b | ours tok/s | over b = 1 | roof tok/s (bound) | ours / roof | "
+                  "llama.cpp tok/s | ours / llama.cpp | llama.cpp / roof | HF generate tok/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for b, row in r["per_b"].items():
+            lines.append(
+                f"| {b} | {row['tps']:.0f} | {row['over_b1']:.2f} | {row['roof_tps']:.0f} "
+                f"({row['bound']}) | {_cell(row['roof_fraction'])} | "
+                f"{_fmt(row.get('llama.cpp_tps'), 0)} | {_cell(row.get('vs_llamacpp'))} | "
+                f"{_cell(row.get('llama.cpp_roof_fraction'))} | {_fmt(row.get('hf_tps'), 0)} |")
+        if r["goals"]:
+            lines += ["", "Goals: " + "; ".join(
+                f"{name} >= {g['goal']:g}: {g['got']:.2f} ({'met' if g['met'] else 'not met'})"
+                for name, g in r["goals"].items()) + "."]
+    return lines
+
+
+def _machine_line(report: dict) -> str:
+    machine = report["machine"]
+    return (f"CPU: {machine.get('cpu_model') or 'unknown'} "
+            f"({' '.join(machine.get('vector_extensions') or []) or 'extensions unknown'}), "
+            f"{machine['cpu_count']} cores.")
+
+
 def markdown(report: dict) -> str:
+    lines = [_machine_line(report)]
+    if report["runs"]:
+        lines += ["", *_decode_lines(report)]
+    lines += _batch_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _decode_lines(report: dict) -> list[str]:
     contexts = report["settings"]["contexts"]
     bws = ", ".join(f"{r['model']} {r['dtype']}: {r['bandwidth_gbps']:.1f} "
                     f"({min(r['bandwidth_samples']):.1f}-{max(r['bandwidth_samples']):.1f})"
                     for r in report["runs"])
     blocks = sorted({r["block_size"] for r in report["runs"]})
-    machine = report["machine"]
-    lines = [f"CPU: {machine.get('cpu_model') or 'unknown'} "
-             f"({' '.join(machine.get('vector_extensions') or []) or 'extensions unknown'}).  "
-             f"Read bandwidth (GB/s, median (min-max) of the readings, "
-             f"{machine['cpu_count']} cores): {bws}.  KV-cache blocks of "
-             f"{' / '.join(map(str, blocks))} tokens.", "",
+    lines = [f"Read bandwidth (GB/s, median (min-max) of the readings): {bws}.  KV-cache blocks "
+             f"of {' / '.join(map(str, blocks))} tokens.", "",
              "ms/token at context, median of all readings (fraction of the bandwidth floor: "
              "median over the stable pairs, each against its own bandwidth readings, or over "
              "all pairs where none was stable); prefill tokens/s by prompt length.", "",
@@ -176,7 +229,7 @@ def markdown(report: dict) -> str:
                       f"{h['context']}-{h['context'] + 32}): whole Python step "
                       f"{h['python_step_us']:.1f} µs, VM call (time evaluator) "
                       f"{h['vm_call_us']:.1f} µs, Python part {h['python_overhead_us']:.1f} µs."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -185,9 +238,29 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    runs, batched = report["runs"], report.get("batch_runs", [])
+    n = max(len(runs), len(batched))
+    rows = [x for x in (runs, batched) if x]
+    fig, axes = plt.subplots(len(rows), n, figsize=(4.5 * n, 3.8 * len(rows)), squeeze=False)
+    for ax in axes.flat[:]:
+        ax.set_axis_off()
+    for ax, run in zip(axes[-1], batched):
+        ax.set_axis_on()
+        bs = [int(b) for b in run["per_b"]]
+        per_b = list(run["per_b"].values())
+        ax.plot(bs, [p["roof_tps"] for p in per_b], "k--", label="roof")
+        ax.plot(bs, [p["tps"] for p in per_b], "o-", label="paged-decode")
+        for key, name in (("llama.cpp_tps", "llama.cpp"), ("hf_tps", "HF generate")):
+            if all(p.get(key) for p in per_b):
+                ax.plot(bs, [p[key] for p in per_b], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{run['model']} {run['dtype']}, batched")
+        ax.set_xlabel("sequences per step (b)")
+        ax.set_ylabel("tokens / s")
+        ax.legend(fontsize=7)
+    for ax, run in zip(axes[0] if runs else [], runs):
+        ax.set_axis_on()
         ctx = sorted(run["floor_ms"], key=int)
         ax.plot(ctx, [run["floor_ms"][c] for c in ctx], "k--", label="bandwidth floor")
         for name, res in {"paged-decode": run["ours"], **run["baselines"]}.items():

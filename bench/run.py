@@ -23,8 +23,9 @@ from typing import Callable
 
 import numpy as np
 
-from . import baselines
+from . import baselines, batch
 from .baselines import median_ms, warm_up
+from .roofs import measure_bandwidth, streamed_params
 from paged_decode.compile.api import prepare
 from paged_decode.compile.weights import ModelSource, resolve_model
 
@@ -38,57 +39,9 @@ FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, retries=2, prompts=
             bw_mb=512, replan=8)
 QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32), bw_mb=64,
              replan=4)
+SECTIONS = ("decode", "batch")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 SWITCH_PAUSE_S = 0.1  # lets the other engine's spinning worker threads park
-
-
-@functools.lru_cache(maxsize=None)
-def _stream_kernel(n_rows: int):
-    """The compiled streaming-read kernel (built once per size; every round measures again)."""
-    import tvm
-
-    from .stream import stream_read
-    from paged_decode.compile.targets import resolve_target
-
-    return tvm.compile(stream_read(n_rows), target=resolve_target(None).target)[
-        f"stream_read_{n_rows}"]
-
-
-@functools.lru_cache(maxsize=2)
-def _stream_source(n_rows: int):
-    """The streaming-read kernel's input (kept between calls: filling it costs more than a
-    reading), in the same huge-page-backed host memory as the weights, so the floor and our
-    decode read through the same kind of pages."""
-    from paged_decode.runtime.host_memory import HostArena, to_tvm
-
-    from .stream import CHUNKS, ROW
-
-    shape = (CHUNKS, n_rows, ROW)
-    host = HostArena.for_arrays([(shape, "float32")]).take(shape, "float32")
-    host[...] = 1.0
-    return to_tvm(host)
-
-
-def measure_bandwidth(mb: int, repeats: int = 7) -> float:
-    """GB/s of a parallel streaming read over ``mb`` MiB (median of ``repeats``)."""
-    import tvm
-
-    from paged_decode.compile.kernels.cpu.simd import VL
-    from .stream import CHUNKS, ROW
-
-    n_rows = mb * (1 << 20) // (4 * ROW * CHUNKS)
-    fn, src = _stream_kernel(n_rows), _stream_source(n_rows)
-    dst = tvm.runtime.tensor(np.zeros((CHUNKS, VL), np.float32))
-    ms = median_ms(lambda: fn(src, dst), repeats, 0.0, min_warmup=2)
-    return CHUNKS * n_rows * ROW * 4 / (ms / 1e3) / 1e9
-
-
-def streamed_params(m, weights) -> list:
-    """The weight tensors a decode step reads whole, in the artifact's parameter order: all but
-    an untied embedding (gathered a row per token; tied, it is the LM head and streamed)."""
-    names = [p[0] for p in m.params]
-    return [t for name, t in zip(names, weights.params)
-            if not (name == "embed" and "lm_head" in names)]
 
 
 def bytes_per_token(m, weights, ctx: int) -> int:
@@ -466,19 +419,51 @@ def _by_regime(pairs: list, split: float | None, value, key: str = "stable") -> 
     return out
 
 
-def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
-             workdir: Path) -> dict:
-    """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
-    (tiny), HF eager."""
-    max_ctx = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
+def _max_context(cfg: dict) -> int:
+    """The artifacts' context: room for both sections, so they share one build."""
+    decode = max(max(cfg["contexts"]), max(cfg["prompts"])) + cfg["n_tokens"] + 64
+    batched = cfg["batch"]["context"] + 48 + cfg["batch"]["steps"] + 64
+    return max(decode, batched)
+
+
+def _prepare(source: ModelSource, dtype: str, cfg: dict, artifacts, say, workdir: Path):
+    """``(prepared, gguf)``: our artifact for ``dtype`` and, for a quantized kind, the GGUF both
+    engines read (its own formats, as llama.cpp reads it), else None."""
+    max_ctx = _max_context(cfg)
     gguf = _bench_gguf(source, dtype, workdir, say) if dtype in QUANT_KINDS else None
-    if gguf is not None:  # the file's own formats, as llama.cpp reads it
+    if gguf is not None:
         prepared = prepare(resolve_model(str(gguf)), block_size=cfg["block_size"],
                            max_context=max_ctx, cache_dtype="float16", weight_dtype="auto",
                            artifacts=artifacts)
     else:
         prepared = prepare(source, block_size=cfg["block_size"], max_context=max_ctx,
                            cache_dtype=dtype, weight_dtype=dtype, artifacts=artifacts)
+    return prepared, gguf
+
+
+def _run_batch(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
+               workdir: Path) -> dict:
+    """The batched section for one model x dtype (``batch.run_batch``)."""
+    prepared, gguf = _prepare(source, dtype, cfg, artifacts, say, workdir)
+    bcfg = cfg["batch"]
+    lc, lc_skip = _start_llamacpp(source, dtype, _max_context(cfg) + 64, workdir, say, gguf)
+    try:
+        res = batch.run_batch(prepared, source, dtype, bcfg, lc, say, _in_child)
+    finally:
+        if lc is not None:
+            lc.close()
+    res["llama.cpp"] = {"skipped": lc_skip} if lc is None else {
+        "n_seq_max": max(bcfg["rows"]), "kv_unified": False}
+    return {"model": Path(model).name if os.sep in model else model, "model_arg": model,
+            "dtype": dtype, **res}
+
+
+def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
+             workdir: Path) -> dict:
+    """Everything for one model x dtype: compile/load, the bracketed rounds, re-plan, host overhead
+    (tiny), HF eager."""
+    max_ctx = _max_context(cfg)
+    prepared, gguf = _prepare(source, dtype, cfg, artifacts, say, workdir)
     ours = _Ours(prepared)
     m = ours.m
     lc, lc_skip = _start_llamacpp(source, dtype, max_ctx + 64, workdir, say, gguf)
@@ -597,13 +582,18 @@ def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
 
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
               dtypes=("float32", "float16"), rounds: int | None = None,
-              block_size: int | None = None,
+              block_size: int | None = None, sections=("decode",),
               progress: Callable[[str], None] | None = None) -> dict:
-    """Run every measurement for each model x dtype; write bench.json, bench.md, bench.png."""
+    """Run the ``sections`` ("decode": B = 1 decode and prefill; "batch": batched steps,
+    ``batch.run_batch``) for each model x dtype; write bench.json, bench.md, bench.png."""
     say = progress or (lambda _m: None)
-    cfg = dict(QUICK if quick else FULL, block_size=block_size)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown or not sections:
+        raise ValueError(f"sections {sorted(unknown) or '(none)'}: choose from {SECTIONS}")
+    cfg = dict(QUICK if quick else FULL, block_size=block_size,
+               batch=dict(batch.QUICK if quick else batch.FULL))
     if rounds is not None:
-        cfg["rounds"] = rounds
+        cfg["rounds"] = cfg["batch"]["rounds"] = rounds
     # resolved (and an HF or GGUF model's weights hashed) once: an unknown model fails before
     # anything is written or measured
     sources = {model: resolve_model(model) for model in models}
@@ -611,13 +601,17 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-              "runs": []}
+              "sections": list(sections), "runs": [], "batch_runs": []}
     with tempfile.TemporaryDirectory() as work:
         for model in models:
             for dtype in dtypes:
                 say(f"{model} {dtype}")
-                report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts, say,
-                                                    Path(work)))
+                if "decode" in sections:
+                    report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts,
+                                                   say, Path(work)))
+                if "batch" in sections:
+                    report["batch_runs"].append(_run_batch(model, sources[model], dtype, cfg,
+                                                           artifacts, say, Path(work)))
     from .report import write_outputs
 
     return write_outputs(report, out_dir)

@@ -10,7 +10,7 @@ import tvm
 from click.testing import CliRunner
 
 from paged_decode.cli import bench_cmd
-from paged_decode.bench import report as bench_report, run as bench
+from paged_decode.bench import report as bench_report, roofs, run as bench
 from paged_decode.compile.kernels.cpu.simd import VL
 from paged_decode.bench.stream import CHUNKS, stream_words
 from paged_decode.compile.targets import resolve_target
@@ -19,11 +19,13 @@ from paged_decode.compile.weights import resolve_model
 
 def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     out = tmp_path / "bench"
-    result = CliRunner().invoke(bench_cmd, ["--model", "tiny", "--quick", "--rounds", "3", "--dtype", "float32",
-                                            "--block-size", "8", "--out", str(out),
-                                            "--artifacts", str(artifact_root)])
+    result = CliRunner().invoke(bench_cmd, [
+        "--model", "tiny", "--quick", "--rounds", "3", "--dtype", "float32", "--section",
+        "decode", "--section", "batch", "--block-size", "8", "--out", str(out),
+        "--artifacts", str(artifact_root)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
+    assert report["sections"] == ["decode", "batch"]
     (run,) = report["runs"]
     assert run["block_size"] == 8
     assert run["bandwidth_gbps"] > 0
@@ -100,6 +102,7 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
     assert "KV-cache blocks of 8 tokens" in md
     read_table = md[md.index("Read-only step"):]
     assert f"| tiny | float32 | {read['bytes'] / 1e6:.1f} | " in read_table
+    _check_batch_section(report, md)
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -261,3 +264,91 @@ def test_cpu_model_lists_vector_extensions():
     assert set(info["vector_extensions"]) <= set(bench.VECTOR_FLAGS)
     flags = open("/proc/cpuinfo").read().split()
     assert ("avx2" in info["vector_extensions"]) == ("avx2" in flags)
+
+
+def _check_batch_section(report: dict, md: str) -> None:
+    """``--section batch`` (quick: b = 1, 2, 4): per b, groups bracketed by roof readings, each
+    group's roof recomputed from its readings and the step's cost, ours and the baselines timed
+    or skipped with a reason, the table written."""
+    (run,) = report["batch_runs"]
+    cfg = resolve_model("tiny").config
+    rows = [str(b) for b in bench.batch.QUICK["rows"]]
+    assert list(run["per_b"]) == rows and run["context"] == bench.batch.QUICK["context"]
+    kv = 2 * cfg.n_layers * run["context"] * cfg.n_kv_heads * cfg.head_dim * 4
+    attention = 4 * run["context"] * cfg.n_q_heads * cfg.head_dim * cfg.n_layers
+    for b in rows:
+        cost = run["costs"][b]  # the weights once (tied: the embedding is the LM head) with
+        # the norm gains, K/V per row
+        norms = (2 * cfg.n_layers + 1) * cfg.hidden_size * 4
+        assert cost["bytes"] == matrix_bytes(cfg, 4) + norms + int(b) * kv
+        assert cost["flops"] == int(b) * (2 * matrix_bytes(cfg, 1) + attention)
+        groups = run["groups"][b]
+        assert len(groups) == report["settings"]["batch"]["rounds"] == 3  # --rounds: both
+        for g in groups:
+            assert len(g["ours_ms"]) == 2 and all(t > 0 for t in g["ours_ms"])
+            assert len(g["bandwidth_gbps"]) == len(g["fma_gflops"]) == 2
+            want = bench.batch.roof_tps(cost, int(b), np.mean(g["bandwidth_gbps"]),
+                                        np.mean(g["fma_gflops"]))
+            assert g["roof"]["tps"] == pytest.approx(want["tps"])
+        row = run["per_b"][b]
+        assert row["tps"] == pytest.approx(np.median(
+            [int(b) / (t / 1e3) for g in groups for t in g["ours_ms"]]))
+        assert row["over_b1"] == pytest.approx(row["tps"] / run["per_b"]["1"]["tps"])
+        assert 0 < row["roof_fraction"]["min"] <= row["roof_fraction"]["max"]
+    assert ("skipped" in run["llama.cpp"]) != ("vs_llamacpp" in run["per_b"]["1"])
+    assert ("skipped" in run["hf_ms"]) != ("hf_tps" in run["per_b"]["1"])
+    assert run["goals"] == {}  # the quick rows reach none of the goals' b
+    assert "Batched decode, tiny float32" in md
+    assert f"| 4 | {run['per_b']['4']['tps']:.0f} | " in md
+
+
+def test_a_step_is_bound_by_the_slower_roof():
+    cost = {"bytes": 2e9, "flops": 4e11}  # 0.1 s at 20 GB/s; 2 s at 200 GFLOP/s
+    slow = bench.batch.roof_tps(cost, 8, bandwidth_gbps=20.0, peak_gflops=200.0)
+    assert slow == {"tps": pytest.approx(8 / 2.0), "bound": "arithmetic"}
+    fast = bench.batch.roof_tps(cost, 8, bandwidth_gbps=20.0, peak_gflops=1e5)
+    assert fast == {"tps": pytest.approx(8 / 0.1), "bound": "bandwidth"}
+
+
+def _group(ours_ms, lc_ms=None, roof=100.0):
+    g = {"ours_ms": list(ours_ms), "roof": {"tps": roof, "bound": "bandwidth"}}
+    return g if lc_ms is None else {**g, "llama.cpp_ms": lc_ms}
+
+
+def test_batch_summary_ratios_and_goals():
+    """b = 8 at 4.5x b = 1 meets its goal; b = 16 at 1.5x llama.cpp misses its one; a goal whose
+    b was not measured is left out."""
+    groups = {1: [_group((10.0, 10.0), 10.0)], 8: [_group((17.0, 18.0), 50.0)],
+              16: [_group((40.0, 40.0), 60.0, roof=1000.0)]}
+    s = bench.batch.summarize(groups, {1: 20.0, 8: 40.0, 16: 80.0})
+    per_b = s["per_b"]
+    assert per_b[1]["tps"] == pytest.approx(100.0)
+    assert per_b[8]["tps"] == pytest.approx(np.median([8000 / 17, 8000 / 18]))
+    assert per_b[8]["over_b1"] == pytest.approx(per_b[8]["tps"] / 100.0)
+    geo16 = 16 / 0.040
+    assert per_b[16]["vs_llamacpp"]["median"] == pytest.approx(geo16 / (16 / 0.060))
+    assert per_b[16]["roof_fraction"]["median"] == pytest.approx(geo16 / 1000.0)
+    assert per_b[16]["hf_tps"] == pytest.approx(16 / 0.080)
+    goals = s["goals"]
+    assert goals["over_b1 b=8"]["met"] and not goals["vs_llamacpp b=16"]["met"]
+    assert goals["roof_fraction b=16"]["got"] == pytest.approx(0.4)
+    assert "over_b1 b=32" not in goals
+
+
+def test_fma_peak_kernel_runs_every_chain():
+    """The peak kernel's sums equal the recurrence computed in numpy (float32, exact), so every
+    chain and chunk does its multiply-adds; the measured rate is positive."""
+    fn = tvm.compile(roofs.fma_peak(3, steps=5, chunks=4),
+                     target=resolve_target(None).target)["fma_peak_3"]
+    a, b = np.float32(0.5), np.float32(1.0)
+    out = tvm.runtime.tensor(np.zeros((4, VL), np.float32))
+    fn(tvm.runtime.tensor(np.full(VL, a)), tvm.runtime.tensor(np.full(VL, b)), out)
+    want = np.zeros((4, VL), np.float32)
+    for c in range(4):
+        for u in range(3):
+            x = np.float32(c + u)
+            for _ in range(5):
+                x = np.float32(x * a + b)
+            want[c] += x
+    np.testing.assert_array_equal(out.numpy(), want)
+    assert roofs.measure_fma_peak(repeats=3) > 0
