@@ -21,9 +21,13 @@ from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func
 from .fastmath import fexp
-from .simd import VL, scratch_buffer
+from .simd import VL, prefetch_ahead_macro, scratch_buffer
 
 
+# The first pass over a weight tile streams it from memory: each of its rows is prefetched this
+# many bytes ahead (``prefetch_nta``), as the GEMVs do; later passes find the tile in cache.
+# Measured in docs/design.md (Batched decode).
+PREFETCH_BYTES = {"float32": 4096, "float16": 4096}
 MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
 # (tokens, at most this many weight rows) per register tile, by whether the target has AVX-512
 TILES = {True: {"linear": (4, 4), "swiglu": (4, 4)},
@@ -45,15 +49,23 @@ def _task(NT: int):
     return m0, (lambda task: task % NT), (lambda task, n: T.min(n - m0(task), MB))
 
 
-def _reduce_macro(K, wdt, TM, TN):
-    """acc[r, c, :] += x[m0 + r, k] * W[c0 + c, k] over all k; tail k handled scalar."""
+def _reduce_macro(K, wdt, TM, TN, prefetch_bytes: int = 0):
+    """acc[r, c, :] += x[m0 + r, k] * W[c0 + c, k] over all k; tail k handled scalar.  With
+    ``prefetch_bytes``, each of the TN rows is prefetched that far ahead of its reads (the
+    first pass over a weight tile, which streams it from memory; later passes find it in
+    cache)."""
     KO, KT = K // VL, K % VL
+    prefetch = prefetch_ahead_macro(VL, wdt, prefetch_bytes)
 
     @T.macro
     def accumulate(x, W, acc, m0, c0):
         for r, c, v in T.grid(TM, TN, VL):
             acc[r, c, v] = T.float32(0)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
         for ko in range(KO):
+            if prefetch_bytes > 0:
+                for c in T.unroll(TN):
+                    prefetch(flat, (c0 + c) * K + ko * VL)
             for r in T.unroll(TM):  # unrolled: acc stays in registers
                 for c in T.unroll(TN):
                     for v in T.vectorized(VL):
@@ -70,6 +82,23 @@ def _reduce_macro(K, wdt, TM, TN):
             for v in T.vectorized(2):
                 acc[r, c, v] = acc[r, c, v] + acc[r, c, v + 2]
             acc[r, c, 0] = acc[r, c, 0] + acc[r, c, 1]
+
+    return accumulate
+
+
+def _pass_macro(K, wdt, TM, TN):
+    """``accumulate(x, W, acc, m0, c0, first)``: ``_reduce_macro``'s tile pass, prefetching the
+    weight rows (``PREFETCH_BYTES`` ahead) where ``first`` (the pass that brings the tile from
+    memory)."""
+    plain = _reduce_macro(K, wdt, TM, TN)
+    fetching = _reduce_macro(K, wdt, TM, TN, PREFETCH_BYTES[wdt])
+
+    @T.macro
+    def accumulate(x, W, acc, m0, c0, first):
+        if first:
+            fetching(x, W, acc, m0, c0)
+        else:
+            plain(x, W, acc, m0, c0)
 
     return accumulate
 
@@ -107,9 +136,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
     most this many weight rows) per register tile."""
     assert epilogue in EPILOGUES
     TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
-    acc_main = _reduce_macro(K, wdt, TM, TN)
-    acc_tail = _reduce_macro(K, wdt, 1, TN)
-
+    acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
     store = store_macro(epilogue, TN)
 
     NT = N // TN
@@ -121,10 +148,11 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
         for task in T.parallel((n + MB - 1) // MB * NT):
             acc = scratch_buffer((TM, TN, VL))
             for mo in range(rows(task, n) // TM):
-                acc_main(x, W, acc, m0(task) + mo * TM, co(task) * TN)
+                acc_main(x, W, acc, m0(task) + mo * TM, co(task) * TN, mo == 0)
                 store(y, acc, m0(task) + mo * TM, co(task) * TN, TM, bias, res)
             for mt in range(rows(task, n) % TM):
-                acc_tail(x, W, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN)
+                acc_tail(x, W, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN,
+                         mt == 0 and rows(task, n) < TM)
                 store(y, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1,
                       bias, res)
 
@@ -142,8 +170,7 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     gate_row, up_row = gate_up_rows(I)
     NT = I // TN
     m0, co, rows = _task(NT)
-    acc_main = _reduce_macro(K, wdt, TM, TN)
-    acc_tail = _reduce_macro(K, wdt, 1, TN)
+    acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
     n = token_dim(None)
 
     store = swiglu_store_macro(TN)
@@ -157,14 +184,14 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
                 g = scratch_buffer((TM, TN, VL))
                 u = scratch_buffer((TM, TN, VL))
                 for mo in range(rows(task, n) // TM):
-                    acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN))
-                    acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN))
+                    acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN), mo == 0)
+                    acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN), mo == 0)
                     store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
                 for mt in range(rows(task, n) % TM):
                     acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
-                             gate_row(co(task) * TN))
+                             gate_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
                     acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
-                             up_row(co(task) * TN))
+                             up_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
                     store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")
