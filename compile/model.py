@@ -64,9 +64,11 @@ class _Builder:
     only the last (prefill)."""
 
     def __init__(self, bb: relax.BlockBuilder, spec: BuildSpec, n_static, funcs: dict,
-                 k: KernelSet, all_rows: bool = False):
+                 k: KernelSet, all_rows: bool = False, rows: int | None = None):
         self.bb, self.spec, self.cfg, self.n_static, self.k = bb, spec, spec.config, n_static, k
         self.all_rows = all_rows
+        # a batch bucket this small streams float weights through the small-batch GEMVs
+        self.small = rows if rows is not None and rows <= k.small_rows else None
         self._funcs = funcs  # kernel name -> GlobalVar, shared by the functions of one module
 
     def kernel(self, prim_func) -> relax.GlobalVar:
@@ -90,7 +92,13 @@ class _Builder:
             ("residual", [res]) if res is not None else ("none", []))
         if self.decode:
             return self.call(self.k.gemv(N, K, wdt, epilogue), [x, w] + extra, (1, N))
+        if self._small_rows(wdt):
+            return self.call(self.k.linear_rows(N, K, wdt, epilogue, self.small),
+                             [x, w] + extra, (n, N))
         return self.call(self.k.linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
+
+    def _small_rows(self, wdt: str) -> bool:
+        return self.small is not None and not FORMATS[wdt].quantized
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
@@ -109,6 +117,9 @@ class _Builder:
             return self.call(self.k.gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w],
                              (1, inter))
         xn = self.call(self.k.rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
+        if self._small_rows(wdt):
+            return self.call(self.k.linear_swiglu_rows(inter, h, wdt, self.small), [xn, w],
+                             (n, inter))
         return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
     def layer(self, x, n, layer, kv, attn_args):
@@ -242,7 +253,7 @@ def _emit_batch_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: 
     tables = relax.Var("block_tables", relax.TensorType([B, cap], "int32"))
     ctx = relax.Var("context_lens", relax.TensorType([B], "int64"))
     offs = relax.Var("write_offs", relax.TensorType([B], "int64"))
-    b = _Builder(bb, spec, None, funcs, k, all_rows=True)
+    b = _Builder(bb, spec, None, funcs, k, all_rows=True, rows=B)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt, B)
     attn_args = (k.rope_kv_write_batch(*geo), k.paged_attention_batch(*geo),

@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_decode.compile.kernels.cpu.batch import paged_attention_batch, rope_kv_write_batch
+from paged_decode.compile.kernels.cpu.batch import (SMALL_ROWS, gemv_rows, gemv_rows_swiglu,
+                                                    paged_attention_batch, rope_kv_write_batch)
+from paged_decode.compile.params import GATE_UP_ROWS, gate_up_row
 
 from .conftest import TOL
 from .test_kernels import (BS, CAP, D, HKV, HQ, NB, _compiled, _t, k_slots, ref_attention,
@@ -98,3 +100,35 @@ def test_batched_kv_write_rejects_any_bad_row_without_writing(bad):
             _t(np.ones(D // 2, np.float32)), _t(tables), _t(offs), _t(ctx),
             _t(np.zeros((2, HQ * D), np.float32)))
     assert kt.numpy().tobytes() == k.tobytes() and vt.numpy().tobytes() == v.tobytes()
+
+
+# -- small-batch GEMVs (buckets of at most SMALL_ROWS rows, float weights) ------------------------
+@pytest.mark.parametrize("B", [2, 3, SMALL_ROWS])
+@pytest.mark.parametrize("N,K,wdt,epilogue", [
+    (40, 72, "float32", "bias"),  # fewer rows than a task; K not a multiple of the 8 * KU step
+    (37, 100, "float16", "residual"),  # a task's rows cut short; K % 8 != 0
+    (70, 768, "float16", "none")])
+def test_small_batch_gemv_matches_numpy(B, N, K, wdt, epilogue):
+    rng = np.random.default_rng(N + B)
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(wdt)
+    extra = {"bias": [rng.standard_normal(N).astype(np.float32)],
+             "residual": [rng.standard_normal((B, N)).astype(np.float32)], "none": []}[epilogue]
+    y = _t(np.full((B, N), np.nan, np.float32))
+    _compiled(gemv_rows, N, K, wdt, epilogue, B)(_t(x), _t(w), *map(_t, extra), y)
+    want = x.astype(np.float64) @ w.astype(np.float64).T + (extra[0] if extra else 0)
+    np.testing.assert_allclose(y.numpy(), want, atol=TOL["float32"] * np.sqrt(K), rtol=1e-5)
+
+
+@pytest.mark.parametrize("B", [2, 5])
+def test_small_batch_swiglu_gemv_matches_numpy(B):
+    inter, K = 2 * GATE_UP_ROWS + 24, 72  # a partial run of gate / up rows at the end
+    rng = np.random.default_rng(B)
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    w = rng.standard_normal((2 * inter, K)).astype(np.float16)
+    act = _t(np.full((B, inter), np.nan, np.float32))
+    _compiled(gemv_rows_swiglu, inter, K, "float16", B)(_t(x), _t(w), act)
+    gate, up = (w[[gate_up_row(i, inter, which) for i in range(inter)]].astype(np.float64)
+                for which in (False, True))
+    g, u = x.astype(np.float64) @ gate.T, x.astype(np.float64) @ up.T
+    np.testing.assert_allclose(act.numpy(), g / (1 + np.exp(-g)) * u, atol=1e-3, rtol=1e-4)

@@ -51,4 +51,5 @@ def cpu_kernels(avx512: bool = True) -> KernelSet:
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
-                     batch.rope_kv_write_batch, batch.paged_attention_batch)
+                     batch.rope_kv_write_batch, batch.paged_attention_batch,
+                     batch.gemv_rows, batch.gemv_rows_swiglu, batch.SMALL_ROWS)

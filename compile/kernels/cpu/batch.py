@@ -11,7 +11,8 @@ Buffers (B static, D = head_dim, QKV = (Hq + 2 Hkv) D):
     ->  out (B, Hq D) float32
 A row whose ``context_len`` is 0 is padding: it writes nothing to the pool and its outputs are
 zeros.  Every live row's indices are checked before the first write, as in the B = 1 kernels.
-The linear layers of a batched step are the prefill matmuls (rows are independent there).
+The linear layers of a batched step are the prefill matmuls (rows are independent there), or,
+in buckets of at most ``SMALL_ROWS`` rows over float weights, the small-batch GEMVs below.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..common import cached, dtype_tag, finalize
+from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
+from ..signatures import matmul_func
 from .attention import _attend_macro
+from .fastmath import fexp
+from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
-from .simd import scratch_buffer
+from .simd import prefetch_ahead_macro, scratch_buffer
 
 
 def _row_table(bt, r, cap: int):
@@ -105,3 +109,101 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
                         out[task // Hkv, task % Hkv * G * D + c] = T.float32(0)
 
     return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+
+
+# -- small-batch GEMVs ---------------------------------------------------------------------------
+# A batched step of at most SMALL_ROWS rows is a weight stream, like a B = 1 step: these kernels
+# read each weight row once, front to back with the GEMVs' software prefetch, and multiply every
+# 8-lane vector of it into all B rows' accumulators (the matmul tile reads a weight row pair once
+# per pair of rows).  Accumulators: B x KU vectors of 8 lanes, KU = 8 / B, so eight independent
+# FMA chains cover the FMA latency at every B and fit the 16 AVX2 registers with the operands.
+SMALL_ROWS = 8
+ROWS_PER_TASK = 16  # weight rows per parallel task (a contiguous run of the matrix)
+RL = 8  # lanes per accumulator
+
+
+def _rows_dot_macro(K: int, wdt: str, B: int):
+    """``dot(x, W, c, out, o)``: out[o, r] = x[r] . W[c] for the B rows (float32)."""
+    KU = max(1, RL // B)
+    KO, KT = K // (RL * KU), K % (RL * KU)
+    prefetch = prefetch_ahead_macro(RL * KU, wdt, PREFETCH_BYTES[wdt])
+
+    @T.macro
+    def dot(x, W, c, out, o):
+        acc = T.decl_buffer((B, KU, RL), "float32")
+        for r, u, v in T.grid(B, KU, RL):
+            acc[r, u, v] = T.float32(0)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
+        for ko in range(KO):
+            prefetch(flat, c * K + ko * KU * RL)
+            for u in T.unroll(KU):
+                for r in T.unroll(B):
+                    for v in T.vectorized(RL):
+                        acc[r, u, v] = acc[r, u, v] + x[r, (ko * KU + u) * RL + v] * T.Cast(
+                            "float32", W[c, (ko * KU + u) * RL + v])
+        for r, t in T.grid(B, KT):
+            acc[r, 0, t % RL] = acc[r, 0, t % RL] + x[r, KO * KU * RL + t] * T.Cast(
+                "float32", W[c, KO * KU * RL + t])
+        for r in range(B):
+            for u in range(1, KU):
+                for v in T.vectorized(RL):
+                    acc[r, 0, v] = acc[r, 0, v] + acc[r, u, v]
+            for v in T.vectorized(4):
+                acc[r, 0, v] = acc[r, 0, v] + acc[r, 0, v + 4]
+            out[o, r] = (acc[r, 0, 0] + acc[r, 0, 1]) + (acc[r, 0, 2] + acc[r, 0, 3])
+
+    return dot
+
+
+@cached
+def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int):
+    """y = x @ W.T (+ bias | + res) for B rows (B <= ``SMALL_ROWS``), each weight row read once."""
+    assert epilogue in EPILOGUES and B <= SMALL_ROWS
+    dot = _rows_dot_macro(K, wdt, B)
+    tasks = -(-N // ROWS_PER_TASK)
+
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        for task in T.parallel(tasks):
+            out = T.decl_buffer((1, B), "float32")
+            for i in range(ROWS_PER_TASK):
+                if task * ROWS_PER_TASK + i < N:
+                    dot(x, W, task * ROWS_PER_TASK + i, out, 0)
+                    for r in range(B):
+                        if epilogue == "bias":
+                            y[r, task * ROWS_PER_TASK + i] = out[0, r] + bias[
+                                task * ROWS_PER_TASK + i]
+                        elif epilogue == "residual":
+                            y[r, task * ROWS_PER_TASK + i] = out[0, r] + res[
+                                r, task * ROWS_PER_TASK + i]
+                        else:
+                            y[r, task * ROWS_PER_TASK + i] = out[0, r]
+
+    func = matmul_func(body, N, K, wdt, epilogue, B)
+    return finalize(func, f"gemv_rows{B}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
+
+
+@cached
+def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int):
+    """act = silu(x @ Wg.T) * (x @ Wu.T) for B rows, W (2I, K) with gate and up rows in
+    alternating runs (``params.gate_up_row``), each row read once."""
+    assert B <= SMALL_ROWS
+    dot = _rows_dot_macro(K, wdt, B)
+    gate_row, up_row = gate_up_rows(I)
+    tasks = -(-I // ROWS_PER_TASK)
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((B, K), "float32"), W: T.Buffer((2 * I, K), wdt),
+             act: T.Buffer((B, I), "float32")):
+        with T.sblock("root"):
+            for task in T.parallel(tasks):
+                gu = T.decl_buffer((2, B), "float32")
+                for i in range(ROWS_PER_TASK):
+                    if task * ROWS_PER_TASK + i < I:
+                        dot(x, W, gate_row(task * ROWS_PER_TASK + i), gu, 0)
+                        dot(x, W, up_row(task * ROWS_PER_TASK + i), gu, 1)
+                        for r in range(B):
+                            act[r, task * ROWS_PER_TASK + i] = gu[0, r] / (
+                                T.float32(1) + fexp(-gu[0, r])) * gu[1, r]
+
+    return finalize(func, f"gemv_rows{B}_swiglu_{I}x{K}_{dtype_tag(wdt)}")
