@@ -173,6 +173,14 @@ def llamacpp_available() -> str | None:
     return None
 
 
+SWITCH_PAUSE_S = 0.1  # lets the other engine's spinning worker threads park
+
+
+def pause() -> None:
+    """Sleep ``SWITCH_PAUSE_S`` between one engine's timing and another's."""
+    time.sleep(SWITCH_PAUSE_S)
+
+
 def warm_up(step, warmup_s: float, min_warmup: int = 3) -> None:
     """``min_warmup`` calls of ``step``, continued up to ``warmup_s`` seconds or 48 calls (the
     same warm-up rule for every engine)."""

@@ -148,17 +148,19 @@ def _batch_lines(report: dict) -> list[str]:
                   f"bandwidth {np.median(bw):.1f} GB/s ({min(bw):.1f}-{max(bw):.1f}), float32 "
                   f"FMA peak {np.median(peak):.0f} GFLOP/s ({min(peak):.0f}-{max(peak):.0f}); "
                   "a point's roof is b / max(bytes / bandwidth, flops / peak) at its group's "
-                  "readings. Ours tokens/s: median of every reading; fractions and ratios: "
-                  "median (min-max) over the groups (each times ours, llama.cpp, ours back to "
-                  "back)."
+                  "readings. Ours tokens/s: median of every reading; over b = 1: the medians' "
+                  "ratio (in brackets: the median over rounds of each round's b against its "
+                  "b = 1); fractions and ratios: median (min-max) over the groups (each times "
+                  "ours, llama.cpp, ours back to back)."
                   + (f" llama.cpp: skipped ({lc['skipped']})." if "skipped" in lc else "")
                   + (f" HF: skipped ({hf['skipped']})." if "skipped" in hf else ""), "",
-                  "| b | ours tok/s | over b = 1 | roof tok/s (bound) | ours / roof | "
+                  "| b | ours tok/s | over b = 1 (per round) | roof tok/s (bound) | ours / roof | "
                   "llama.cpp tok/s | ours / llama.cpp | llama.cpp / roof | HF generate tok/s |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for b, row in r["per_b"].items():
             lines.append(
-                f"| {b} | {row['tps']:.0f} | {row['over_b1']:.2f} | {row['roof_tps']:.0f} "
+                f"| {b} | {row['tps']:.0f} | {_fmt(row['over_b1'])} "
+                f"({_fmt((row['over_b1_per_round'] or {}).get('median'))}) | {row['roof_tps']:.0f} "
                 f"({row['bound']}) | {_cell(row['roof_fraction'])} | "
                 f"{_fmt(row.get('llama.cpp_tps'), 0)} | {_cell(row.get('vs_llamacpp'))} | "
                 f"{_cell(row.get('llama.cpp_roof_fraction'))} | {_fmt(row.get('hf_tps'), 0)} |")

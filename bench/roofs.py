@@ -10,6 +10,7 @@ each batched point is a fraction of (:func:`roof_tps`).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 from tvm.script import tirx as T
@@ -19,8 +20,8 @@ from paged_decode.compile.kernels.cpu.simd import VL, scratch_buffer
 
 from .baselines import median_ms
 
-FMA_STEPS = 1 << 15  # multiply-adds per accumulator lane and call: ~1 ms on two cores
-FMA_CHUNKS = 64  # parallel chunks, spread over the cores
+FMA_STEPS = 1 << 14  # multiply-adds per accumulator lane and chunk: ~0.5 ms a call
+FMA_CHUNKS_PER_CORE = 16  # a whole number per core: no core idles while another finishes
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +73,11 @@ def fma_chains(avx512: bool) -> int:
     return 10 if avx512 else 5
 
 
-def fma_peak(chains: int, steps: int = FMA_STEPS, chunks: int = FMA_CHUNKS):
+def _fma_chunks() -> int:
+    return FMA_CHUNKS_PER_CORE * (os.cpu_count() or 1)
+
+
+def fma_peak(chains: int, chunks: int, steps: int = FMA_STEPS):
     """``out[c, :] = sum_u acc_u`` after ``steps`` rounds of ``acc_u = acc_u * a + b`` on
     ``chains`` accumulators of ``VL`` lanes, chunks in parallel: ``2 * chunks * chains * VL *
     steps`` float32 flops with no memory traffic (``a``, ``b``: ``(VL,)`` float32)."""
@@ -107,7 +112,9 @@ def _fma_kernel():
 
     target = resolve_target(None).target
     chains = fma_chains(has_avx512(target))
-    return tvm.compile(fma_peak(chains), target=target)[f"fma_peak_{chains}"], chains
+    chunks = _fma_chunks()
+    fn = tvm.compile(fma_peak(chains, chunks), target=target)[f"fma_peak_{chains}"]
+    return fn, chains, chunks
 
 
 def measure_fma_peak(repeats: int = 7) -> float:
@@ -115,13 +122,13 @@ def measure_fma_peak(repeats: int = 7) -> float:
     two flops)."""
     import tvm
 
-    fn, chains = _fma_kernel()
+    fn, chains, chunks = _fma_kernel()
     # a, b keep the accumulators bounded (|acc| stays near b / (1 - a)): no overflow, no denormals
     a = tvm.runtime.tensor(np.full(VL, 0.5, np.float32))
     b = tvm.runtime.tensor(np.full(VL, 1.0, np.float32))
-    out = tvm.runtime.tensor(np.zeros((FMA_CHUNKS, VL), np.float32))
+    out = tvm.runtime.tensor(np.zeros((chunks, VL), np.float32))
     ms = median_ms(lambda: fn(a, b, out), repeats, 0.0, min_warmup=2)
-    return 2 * FMA_CHUNKS * chains * VL * FMA_STEPS / (ms / 1e3) / 1e9
+    return 2 * chunks * chains * VL * FMA_STEPS / (ms / 1e3) / 1e9
 
 
 def streamed_params(m, weights) -> list:

@@ -41,7 +41,6 @@ QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32
              replan=4)
 SECTIONS = ("decode", "batch")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
-SWITCH_PAUSE_S = 0.1  # lets the other engine's spinning worker threads park
 
 
 def bytes_per_token(m, weights, ctx: int) -> int:
@@ -240,8 +239,6 @@ def cpu_model() -> dict:
             "vector_extensions": [f for f in VECTOR_FLAGS if f in flags]}
 
 
-def _pause():
-    time.sleep(SWITCH_PAUSE_S)
 
 
 # quantized kinds: "gguf" (a GGUF model's own file, as stored) and llama.cpp's quantizer's
@@ -325,9 +322,9 @@ def _bracketed_rounds(ours: _Ours, lc, cfg: dict, say, bpt: dict | None = None) 
         for p in cfg["prompts"]:
             prefill["ours"][p].append(ours.prefill_tps(p))
             if lc is not None:
-                _pause()
+                baselines.pause()
                 prefill["llama.cpp"][p].append(lc.prefill_tps(p))
-                _pause()
+                baselines.pause()
     return {"pairs": pairs, "prefill_tps": prefill}
 
 
@@ -343,9 +340,9 @@ def _pair(ours: _Ours, lc, c: int, n: int, warm: float, bw_mb: int, paged: bool,
     if paged:
         pair["paged"] = ours.paged_ratio(c, n, warm)
     if lc is not None:
-        _pause()
+        baselines.pause()
         pair["llama.cpp_ms"] = lc.decode_ms(c, n, warm)
-        _pause()
+        baselines.pause()
     pair["ours_ms"].append(ours.decode_ms(c, n, LATER_WARMUP_S))
     pair["bandwidth_gbps"].append(measure_bandwidth(bw_mb))
     if floor_bytes is not None:  # ms at the mean reading: bytes / (GB/s * 1e6)

@@ -267,7 +267,7 @@ def test_cpu_model_lists_vector_extensions():
 
 
 def _check_batch_section(report: dict, md: str) -> None:
-    """``--section batch`` (quick: b = 1, 2, 4): per b, groups bracketed by roof readings, each
+    """``--section batch`` (quick: b = 1, 2): per b, groups bracketed by roof readings, each
     group's roof recomputed from its readings and the step's cost, ours and the baselines timed
     or skipped with a reason, the table written."""
     (run,) = report["batch_runs"]
@@ -299,7 +299,7 @@ def _check_batch_section(report: dict, md: str) -> None:
     assert ("skipped" in run["hf_ms"]) != ("hf_tps" in run["per_b"]["1"])
     assert run["goals"] == {}  # the quick rows reach none of the goals' b
     assert "Batched decode, tiny float32" in md
-    assert f"| 4 | {run['per_b']['4']['tps']:.0f} | " in md
+    assert f"| 2 | {run['per_b']['2']['tps']:.0f} | " in md
 
 
 def test_a_step_is_bound_by_the_slower_roof():
@@ -329,16 +329,22 @@ def test_batch_summary_ratios_and_goals():
     assert per_b[16]["vs_llamacpp"]["median"] == pytest.approx(geo16 / (16 / 0.060))
     assert per_b[16]["roof_fraction"]["median"] == pytest.approx(geo16 / 1000.0)
     assert per_b[16]["hf_tps"] == pytest.approx(16 / 0.080)
+    assert per_b[8]["over_b1_per_round"]["median"] == pytest.approx(
+        8 / np.sqrt(0.017 * 0.018) / 100.0)  # against the same round's b = 1 group
     goals = s["goals"]
     assert goals["over_b1 b=8"]["met"] and not goals["vs_llamacpp b=16"]["met"]
     assert goals["roof_fraction b=16"]["got"] == pytest.approx(0.4)
     assert "over_b1 b=32" not in goals
+    no_one = bench.batch.summarize({8: groups[8], 16: groups[16]}, None)
+    assert no_one["per_b"][8]["over_b1"] is None  # never against another b
+    assert no_one["per_b"][8]["over_b1_per_round"] is None
+    assert "over_b1 b=8" not in no_one["goals"] and "roof_fraction b=16" in no_one["goals"]
 
 
 def test_fma_peak_kernel_runs_every_chain():
     """The peak kernel's sums equal the recurrence computed in numpy (float32, exact), so every
     chain and chunk does its multiply-adds; the measured rate is positive."""
-    fn = tvm.compile(roofs.fma_peak(3, steps=5, chunks=4),
+    fn = tvm.compile(roofs.fma_peak(3, chunks=4, steps=5),
                      target=resolve_target(None).target)["fma_peak_3"]
     a, b = np.float32(0.5), np.float32(1.0)
     out = tvm.runtime.tensor(np.zeros((4, VL), np.float32))

@@ -219,8 +219,8 @@ def _run(prepared, device) -> dict:
         tokens.append(int(np.argmax(prefill[-1] if not decode else decode[-1])))
         decode.append(session.realize_token(seq, tokens[-1]))
     replay = session.prefill(pool.new_sequence(), PROMPT + tokens)  # one prefill, same context
-    # a batched step of 3 live rows in bucket 4: the sequence, its fork (whose write copies the
-    # shared, partly filled last block on the device first) and a shorter sequence
+    # a batched step of 3 live rows in bucket 4: the sequence, its fork (the first of the two
+    # to write copies their shared, partly filled last block on the device) and a shorter one
     child, other = seq.fork(), pool.new_sequence()
     session.prefill(other, PROMPT[:37])
     batch = BatchDecodeSession(artifact, weights, pool).step([seq, child, other], [5, 5, 9])

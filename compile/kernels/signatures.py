@@ -1,4 +1,4 @@
-"""The parameter lists of the linear kernels, shared by the CPU and GPU sets.
+"""The parameter lists of the linear and batched-decode kernels, shared by the CPU and GPU sets.
 
 TVMScript needs one ``prim_func`` per parameter list, so each (norm, epilogue) combination is
 spelled out once here; a kernel family passes its ``body`` macro, which receives ``None`` for
@@ -71,4 +71,42 @@ def matmul_func(body, N: int, K: int, wdt: str, epilogue: str, n, w_shape=None):
             y = T.match_buffer(var_y, (n, N), "float32")
             with T.sblock("root"):
                 body(x, W, y, None, res, n)
+    return func
+
+
+def rope_kv_batch_func(body, Hq: int, Hkv: int, D: int, bs: int, cap: int, cdt: str, B: int,
+                       nb):
+    """Ragged batched RoPE + KV write: ``qkv (B, (Hq + 2 Hkv) D), k_pool, v_pool (nb, Hkv, bs,
+    D) cdt, inv_freq (D/2,), block_tables (B, cap) int32, write_offs (B,) int64, context_lens
+    (B,) int64 -> q_rot (B, Hq D)``; ``body(qkv, k_pool, v_pool, inv_freq, bt, write_offs,
+    context_lens, q_rot)``."""
+    QKV = (Hq + 2 * Hkv) * D
+
+    @T.prim_func(s_tir=True)
+    def func(qkv: T.Buffer((B, QKV), "float32"), var_k: T.handle, var_v: T.handle,
+             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((B, cap), "int32"),
+             write_offs: T.Buffer((B,), "int64"), context_lens: T.Buffer((B,), "int64"),
+             q_rot: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            body(qkv, k_pool, v_pool, inv_freq, bt, write_offs, context_lens, q_rot)
+
+    return func
+
+
+def attention_batch_func(body, Hq: int, Hkv: int, D: int, bs: int, cap: int, cdt: str, B: int,
+                         nb):
+    """Ragged batched attention: ``q (B, Hq D), k_pool, v_pool, block_tables (B, cap) int32,
+    context_lens (B,) int64 -> out (B, Hq D)``; ``body(q, k_pool, v_pool, bt, context_lens,
+    out)``."""
+    @T.prim_func(s_tir=True)
+    def func(q: T.Buffer((B, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
+             bt: T.Buffer((B, cap), "int32"), context_lens: T.Buffer((B,), "int64"),
+             out: T.Buffer((B, Hq * D), "float32")):
+        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
+        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
+        with T.sblock("root"):
+            body(q, k_pool, v_pool, bt, context_lens, out)
+
     return func

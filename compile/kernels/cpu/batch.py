@@ -21,7 +21,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
-from ..signatures import matmul_func
+from ..signatures import attention_batch_func, matmul_func, rope_kv_batch_func
 from .attention import _attend_macro
 from .fastmath import fexp
 from .gemv import PREFETCH_BYTES
@@ -50,30 +50,25 @@ def _check_rows(B: int, bs: int, cap: int, nb):
 def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, B: int):
     """RoPE and the K/V write of ``B`` rows, row ``r`` at position ``context_lens[r] - 1``."""
     rope_write = _rope_macro(Hq, Hkv, D, cdt)
-    QKV, bs = (Hq + 2 * Hkv) * D, block_size
+    bs = block_size
     nb = tirx.Var("num_blocks", "int64")
     check = _check_rows(B, bs, cap, nb)
 
-    @T.prim_func(s_tir=True)
-    def func(qkv: T.Buffer((B, QKV), "float32"), var_k: T.handle, var_v: T.handle,
-             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((B, cap), "int32"),
-             write_offs: T.Buffer((B,), "int64"), context_lens: T.Buffer((B,), "int64"),
-             q_rot: T.Buffer((B, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
-        with T.sblock("root"):
-            check(bt, context_lens)
-            for r in range(B):
-                if context_lens[r] > 0:
-                    assert T.Cast("int64", bt[r, (context_lens[r] - 1) // bs]) * bs + (context_lens[r] - 1) % bs == write_offs[r], "write_off does not match the block table at context_len - 1"
-            for r in T.parallel(B):
-                if context_lens[r] > 0:
-                    rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, r, context_lens[r] - 1,
-                               write_offs[r] // bs, write_offs[r] % bs)
-                else:
-                    for c in T.vectorized(Hq * D):
-                        q_rot[r, c] = T.float32(0)
+    @T.macro
+    def body(qkv, k_pool, v_pool, inv_freq, bt, write_offs, context_lens, q_rot):
+        check(bt, context_lens)
+        for r in range(B):
+            if context_lens[r] > 0:
+                assert T.Cast("int64", bt[r, (context_lens[r] - 1) // bs]) * bs + (context_lens[r] - 1) % bs == write_offs[r], "write_off does not match the block table at context_len - 1"
+        for r in T.parallel(B):
+            if context_lens[r] > 0:
+                rope_write(qkv, k_pool, v_pool, inv_freq, q_rot, r, context_lens[r] - 1,
+                           write_offs[r] // bs, write_offs[r] % bs)
+            else:
+                for c in T.vectorized(Hq * D):
+                    q_rot[r, c] = T.float32(0)
 
+    func = rope_kv_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
     return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
@@ -87,27 +82,22 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
     bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
     check = _check_rows(B, bs, cap, nb)
 
-    @T.prim_func(s_tir=True)
-    def func(q: T.Buffer((B, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
-             bt: T.Buffer((B, cap), "int32"), context_lens: T.Buffer((B,), "int64"),
-             out: T.Buffer((B, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
-        with T.sblock("root"):
-            check(bt, context_lens)
-            for task in T.parallel(B * Hkv):  # (row, kv head)
-                if context_lens[task // Hkv] > 0:
-                    acc = scratch_buffer(acc_shape)
-                    st = scratch_buffer(st_shape)
-                    rs = scratch_buffer(r_shape)
-                    scores = scratch_buffer(s_shape)
-                    attend(q, k_pool, v_pool, _row_table(bt, task // Hkv, cap), out,
-                           task // Hkv, task % Hkv, context_lens[task // Hkv], acc, st, rs,
-                           scores)
-                else:
-                    for c in T.vectorized(G * D):
-                        out[task // Hkv, task % Hkv * G * D + c] = T.float32(0)
+    @T.macro
+    def body(q, k_pool, v_pool, bt, context_lens, out):
+        check(bt, context_lens)
+        for task in T.parallel(B * Hkv):  # (row, kv head)
+            if context_lens[task // Hkv] > 0:
+                acc = scratch_buffer(acc_shape)
+                st = scratch_buffer(st_shape)
+                rs = scratch_buffer(r_shape)
+                scores = scratch_buffer(s_shape)
+                attend(q, k_pool, v_pool, _row_table(bt, task // Hkv, cap), out,
+                       task // Hkv, task % Hkv, context_lens[task // Hkv], acc, st, rs, scores)
+            else:
+                for c in T.vectorized(G * D):
+                    out[task // Hkv, task % Hkv * G * D + c] = T.float32(0)
 
+    func = attention_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
     return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
@@ -115,8 +105,8 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
 # A batched step of at most SMALL_ROWS rows is a weight stream, like a B = 1 step: these kernels
 # read each weight row once, front to back with the GEMVs' software prefetch, and multiply every
 # 8-lane vector of it into all B rows' accumulators (the matmul tile reads a weight row pair once
-# per pair of rows).  Accumulators: B x KU vectors of 8 lanes, KU = 8 / B, so eight independent
-# FMA chains cover the FMA latency at every B and fit the 16 AVX2 registers with the operands.
+# per pair of rows).  Accumulators: B x KU vectors of 8 lanes, KU = 8 // B: eight independent FMA
+# chains where B divides 8 (B for B = 5-7), within the 16 AVX2 registers with the operands.
 SMALL_ROWS = 8
 ROWS_PER_TASK = 16  # weight rows per parallel task (a contiguous run of the matrix)
 RL = 8  # lanes per accumulator

@@ -17,6 +17,8 @@ Buffers (D = head_dim, n symbolic for prefill or 1 for decode):
   rope_kv:   qkv (n, (Hq + 2 Hkv) D) float32, k_pool, v_pool (written in place),
              inv_freq (D/2,) float32, block_table, write_off + context_len | start_pos
              -> q_rot (n, Hq D) float32
+Batched decode (``*_batch``): B rows, one more grid dimension; tables (B, max_blocks_cap),
+context_lens / write_offs (B,) int64 device data, so their checks are guards as below.
 Scalar bounds (context_len, write_off, start_pos) are asserted on the host before the launch.
 The ``*_decode_dev`` variants take context_len / write_off as (1,) int64 device buffers (for
 CUDA-graph replay); there the bounds are guards: out of range writes nothing, and attention
@@ -34,6 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..common import cached, dtype_tag, token_dim
+from ..signatures import attention_batch_func, rope_kv_batch_func
 from .common import block_reduce, finalize
 
 NEG = -3.0e38  # the score of a masked position; exp(NEG - max) is 0
@@ -101,30 +104,42 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
     return attend, NT
 
 
-def _decode_attn_body(Hq, Hkv, D, bs, nb):
-    """Decode attention (shared memory + one block per query head), shared by the scalar and
-    the device-tensor variants; ``context_len`` is an int64 expression."""
+def _attention_grid(Hq, Hkv, D, bs, cap, nb, kind: str):
+    """``grid(q, k_pool, v_pool, bt, out, rows, ctx)``: the shared scratch, then one block per
+    (row, query head), row i on ``blockIdx.y``.  ``kind`` says what ``ctx`` is: "decode" the
+    context length (an int64 expression; one row), "prefill" the start position (row i
+    attends over ``ctx + i + 1`` positions), "batch" the (B,) context lengths (row i over
+    ``ctx[i]`` clamped to [0, max_blocks_cap * block_size], through table row i)."""
     attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
 
     @T.macro
-    def body(q, k_pool, v_pool, bt, out, context_len):
+    def grid(q, k_pool, v_pool, bt, out, rows, ctx):
         qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
         ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
         accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
         mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
         sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
         st = T.sblock_alloc_buffer((5,), "float32", scope="local")
-        for h in T.thread_binding(Hq, thread="blockIdx.x"):
-            attend(q, k_pool, v_pool, bt, out, 0, h, context_len, qs, ps, accs, mx, sm, st)
+        for i in T.thread_binding(rows, thread="blockIdx.y"):
+            for h in T.thread_binding(Hq, thread="blockIdx.x"):
+                if kind == "decode":
+                    attend(q, k_pool, v_pool, bt, out, i, h, ctx, qs, ps, accs, mx, sm, st)
+                elif kind == "prefill":
+                    attend(q, k_pool, v_pool, bt, out, i, h, ctx + i + 1, qs, ps, accs, mx,
+                           sm, st)
+                else:
+                    attend(q, k_pool, v_pool, bt, out, i, h,
+                           T.max(T.min(ctx[i], T.int64(cap * bs)), T.int64(0)), qs, ps, accs,
+                           mx, sm, st, i)
 
-    return body
+    return grid
 
 
 @cached
 def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """One query token per head against context_len cached positions."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_attn_body(Hq, Hkv, D, bs, nb)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode")
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -134,7 +149,7 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
         v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
-            body(q, k_pool, v_pool, bt, out, context_len)
+            grid(q, k_pool, v_pool, bt, out, 1, context_len)
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
@@ -146,7 +161,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
     clamped to ``max_blocks_cap * block_size`` (no read past the table) and a context below 1
     attends nothing (the output is 0)."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_attn_body(Hq, Hkv, D, bs, nb)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode")
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -155,7 +170,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
         k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
         v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
-            body(q, k_pool, v_pool, bt, out,
+            grid(q, k_pool, v_pool, bt, out, 1,
                  T.max(T.min(context_len[0], T.int64(cap * bs)), T.int64(0)))
 
     return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
@@ -165,7 +180,7 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
 def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "prefill")
     n = token_dim(None)
 
     @T.prim_func(s_tir=True)
@@ -177,16 +192,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
         out = T.match_buffer(var_out, (n, Hq * D), "float32")
         with T.sblock("root"):
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
-            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
-            for i in T.thread_binding(n, thread="blockIdx.y"):
-                for h in T.thread_binding(Hq, thread="blockIdx.x"):
-                    attend(q, k_pool, v_pool, bt, out, i, h, start_pos + i + 1, qs, ps, accs,
-                           mx, sm, st)
+            grid(q, k_pool, v_pool, bt, out, n, start_pos)
 
     return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
@@ -322,30 +328,25 @@ def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cd
     offset is outside the pool or does not match its table at ``context_len - 1`` writes
     nothing (context 0: a padding row)."""
     rope_write = _rope_macro(Hq, Hkv, D, cdt)
-    QKV, bs, H = (Hq + 2 * Hkv) * D, block_size, Hq + 2 * Hkv
+    bs, H = block_size, Hq + 2 * Hkv
     nb = tirx.Var("num_blocks", "int64")
 
-    @T.prim_func(s_tir=True)
-    def func(qkv: T.Buffer((B, QKV), "float32"), var_k: T.handle, var_v: T.handle,
-             inv_freq: T.Buffer((D // 2,), "float32"), bt: T.Buffer((B, cap), "int32"),
-             write_offs: T.Buffer((B,), "int64"), context_lens: T.Buffer((B,), "int64"),
-             q_rot: T.Buffer((B, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
-        with T.sblock("root"):
-            for r in T.thread_binding(B, thread="blockIdx.y"):
-                for hd in T.thread_binding(H, thread="blockIdx.x"):
-                    for d in T.thread_binding(D // 2, thread="threadIdx.x"):
-                        rope_write(
-                            qkv, k_pool, v_pool, inv_freq, q_rot, r,
-                            T.max(context_lens[r] - 1, T.int64(0)),
-                            write_offs[r] // bs, write_offs[r] % bs,
-                            1 <= context_lens[r] and context_lens[r] <= cap * bs
-                            and 0 <= write_offs[r] and write_offs[r] < nb * bs
-                            and T.Cast("int64", bt[r, T.max(T.min(
-                                (context_lens[r] - 1) // bs, T.int64(cap - 1)), T.int64(0))])
-                            * bs + (context_lens[r] - 1) % bs == write_offs[r], hd, d)
+    @T.macro
+    def body(qkv, k_pool, v_pool, inv_freq, bt, write_offs, context_lens, q_rot):
+        for r in T.thread_binding(B, thread="blockIdx.y"):
+            for hd in T.thread_binding(H, thread="blockIdx.x"):
+                for d in T.thread_binding(D // 2, thread="threadIdx.x"):
+                    rope_write(
+                        qkv, k_pool, v_pool, inv_freq, q_rot, r,
+                        T.max(context_lens[r] - 1, T.int64(0)),
+                        write_offs[r] // bs, write_offs[r] % bs,
+                        1 <= context_lens[r] and context_lens[r] <= cap * bs
+                        and 0 <= write_offs[r] and write_offs[r] < nb * bs
+                        and T.Cast("int64", bt[r, T.max(T.min(
+                            (context_lens[r] - 1) // bs, T.int64(cap - 1)), T.int64(0))])
+                        * bs + (context_lens[r] - 1) % bs == write_offs[r], hd, d)
 
+    func = rope_kv_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
     return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
@@ -356,25 +357,12 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
     table row, one block per (row, query head); the context is clamped to [0, max_blocks_cap
     * block_size] (device data: a guard), and a padding row (context 0) gets zeros."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "batch")
 
-    @T.prim_func(s_tir=True)
-    def func(q: T.Buffer((B, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
-             bt: T.Buffer((B, cap), "int32"), context_lens: T.Buffer((B,), "int64"),
-             out: T.Buffer((B, Hq * D), "float32")):
-        k_pool = T.match_buffer(var_k, (nb, Hkv, bs, D), cdt)
-        v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
-        with T.sblock("root"):
-            qs = T.sblock_alloc_buffer((D,), "float32", scope="shared")
-            ps = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            accs = T.sblock_alloc_buffer((NT,), "float32", scope="shared")
-            mx = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            sm = T.sblock_alloc_buffer((1,), "float32", scope="shared")
-            st = T.sblock_alloc_buffer((5,), "float32", scope="local")
-            for r in T.thread_binding(B, thread="blockIdx.y"):
-                for h in T.thread_binding(Hq, thread="blockIdx.x"):
-                    attend(q, k_pool, v_pool, bt, out, r, h,
-                           T.max(T.min(context_lens[r], T.int64(cap * bs)), T.int64(0)), qs, ps,
-                           accs, mx, sm, st, r)
+    @T.macro
+    def body(q, k_pool, v_pool, bt, context_lens, out):
+        grid(q, k_pool, v_pool, bt, out, B, context_lens)
+
+    func = attention_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
 
     return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
