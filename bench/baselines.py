@@ -181,6 +181,23 @@ def pause() -> None:
     time.sleep(SWITCH_PAUSE_S)
 
 
+def spread(values) -> dict:
+    """Median, min, max and the values themselves."""
+    return {"median": float(np.median(values)), "min": float(np.min(values)),
+            "max": float(np.max(values)), "values": [float(v) for v in values]}
+
+
+def hf_float32(source):
+    """An HF model of ``source``'s float32 weights, torch on every core (for a benchmark's own
+    process)."""
+    import os
+
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    return hf_model(source.config, source.load_params("float32"), "float32")
+
+
 def warm_up(step, warmup_s: float, min_warmup: int = 3) -> None:
     """``min_warmup`` calls of ``step``, continued up to ``warmup_s`` seconds or 48 calls (the
     same warm-up rule for every engine)."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import baselines
-from .baselines import median_ms
-from .roofs import measure_bandwidth, measure_fma_peak, roof_tps, step_cost, streamed_params
+from .baselines import median_ms, spread
+from .roofs import (kv_bytes, measure_bandwidth, measure_fma_peak, roof_tps, step_cost,
+                    streamed_bytes)
 
 ROWS = (1, 2, 4, 8, 16, 32)
 FULL = dict(rows=ROWS, context=128, steps=16, rounds=3, bw_mb=512, warmup_s=0.3)
@@ -88,11 +89,6 @@ def _tps(b: int, ms: float) -> float:
     return b / (ms / 1e3)
 
 
-def _spread(values) -> dict:
-    return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values))}
-
-
 def summarize(groups: dict, hf: dict | None) -> dict:
     """Per b: our tokens/s (median over every reading), over b = 1 (the medians' ratio, and
     per round against that round's b = 1 group: median (min-max); None without b = 1), the
@@ -108,16 +104,16 @@ def summarize(groups: dict, hf: dict | None) -> dict:
         ours = float(np.median([_tps(b, ms) for g in gs for ms in g["ours_ms"]]))
         geo = [geo_tps(b, g) for g in gs]
         row = {"tps": ours, "over_b1": ours / base if base else None,
-               "over_b1_per_round": _spread([t / geo_tps(1, one) for t, one in zip(geo, ones)])
-               if ones else None,
+               "over_b1_per_round": (spread([t / geo_tps(1, one) for t, one in zip(geo, ones)])
+                                     if ones else None),
                "roof_tps": float(np.median([g["roof"]["tps"] for g in gs])),
                "bound": gs[0]["roof"]["bound"],
-               "roof_fraction": _spread([t / g["roof"]["tps"] for t, g in zip(geo, gs)])}
+               "roof_fraction": spread([t / g["roof"]["tps"] for t, g in zip(geo, gs)])}
         if all("llama.cpp_ms" in g for g in gs):
             lc = [_tps(b, g["llama.cpp_ms"]) for g in gs]
             row["llama.cpp_tps"] = float(np.median(lc))
-            row["vs_llamacpp"] = _spread([t / lt for t, lt in zip(geo, lc)])
-            row["llama.cpp_roof_fraction"] = _spread(
+            row["vs_llamacpp"] = spread([t / lt for t, lt in zip(geo, lc)])
+            row["llama.cpp_roof_fraction"] = spread(
                 [lt / g["roof"]["tps"] for lt, g in zip(lc, gs)])
         if hf and b in hf:
             row["hf_tps"] = _tps(b, hf[b]) if hf[b] > 0 else None
@@ -136,13 +132,7 @@ def summarize(groups: dict, hf: dict | None) -> dict:
 
 
 def _hf_batch_child(source, rows, context: int, steps: int) -> dict:
-    import os
-
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = baselines.hf_model(source.config, source.load_params("float32"), "float32")
-    return baselines.time_hf_batched(model, rows, context, steps)
+    return baselines.time_hf_batched(baselines.hf_float32(source), rows, context, steps)
 
 
 def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child) -> dict:
@@ -153,10 +143,8 @@ def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child) -> dic
     rows = tuple(cfg["rows"])
     ours = OursBatched(prepared, rows, cfg["context"], cfg["steps"])
     m = ours.artifact.manifest
-    weight_bytes = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-                       for t in streamed_params(m, ours.weights))
-    kv_size = np.dtype(m.cache_dtype).itemsize
-    costs = {b: step_cost(source.config, b, cfg["context"], weight_bytes, kv_size) for b in rows}
+    weights, kv = streamed_bytes(m, ours.weights), kv_bytes(m, cfg["context"])
+    costs = {b: step_cost(source.config, b, cfg["context"], weights, kv) for b in rows}
     groups = {b: [] for b in rows}
     for r in range(cfg["rounds"]):
         say(f"  batched round {r + 1}/{cfg['rounds']}")

@@ -139,17 +139,28 @@ def streamed_params(m, weights) -> list:
             if not (name == "embed" and "lm_head" in names)]
 
 
-def step_cost(cfg, b: int, context: int, weight_bytes: int, kv_itemsize: int) -> dict:
+def streamed_bytes(m, weights) -> int:
+    """Bytes of ``streamed_params``, as stored: what a decode step reads of the weights."""
+    return sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+               for t in streamed_params(m, weights))
+
+
+def kv_bytes(m, ctx: int) -> int:
+    """Bytes of one sequence's K and V over ``ctx`` positions in every layer (manifest ``m``)."""
+    return 2 * m.n_layers * ctx * m.n_kv_heads * m.head_dim * np.dtype(m.cache_dtype).itemsize
+
+
+def step_cost(cfg, b: int, context: int, weight_bytes: int, seq_kv_bytes: int) -> dict:
     """Bytes read and flops of one decode step over ``b`` sequences at ``context`` tokens each:
-    the weights once (``weight_bytes``, as stored) plus each sequence's K / V; two flops per
-    weight per row in the matmuls (LM head included) and per cached element in QK^T and PV."""
+    the weights once (``weight_bytes``, as stored) plus each sequence's K / V
+    (``seq_kv_bytes``); two flops per weight per row in the matmuls (LM head included) and per
+    cached element in QK^T and PV."""
     c = cfg
     per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size \
         + 3 * c.hidden_size * c.intermediate_size
     weights = c.n_layers * per_layer + c.vocab_size * c.hidden_size
     attention = 2 * 2 * context * c.n_q_heads * c.head_dim * c.n_layers
-    kv = 2 * c.n_layers * context * c.n_kv_heads * c.head_dim * kv_itemsize
-    return {"bytes": weight_bytes + b * kv, "flops": b * (2 * weights + attention)}
+    return {"bytes": weight_bytes + b * seq_kv_bytes, "flops": b * (2 * weights + attention)}
 
 
 def roof_tps(cost: dict, b: int, bandwidth_gbps: float, peak_gflops: float) -> dict:

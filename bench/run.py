@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 
 from . import baselines, batch
-from .baselines import median_ms, warm_up
-from .roofs import measure_bandwidth, streamed_params
+from .baselines import median_ms, spread, warm_up
+from .roofs import kv_bytes, measure_bandwidth, streamed_bytes, streamed_params
 from paged_decode.compile.api import prepare
 from paged_decode.compile.weights import ModelSource, resolve_model
 
@@ -45,10 +45,7 @@ FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loadin
 
 def bytes_per_token(m, weights, ctx: int) -> int:
     """Weights read once per token (the embedding only a row unless tied) + K/V up to ``ctx``."""
-    total = sum(int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-                for t in streamed_params(m, weights))
-    kv = 2 * m.n_layers * ctx * m.n_kv_heads * m.head_dim * np.dtype(m.cache_dtype).itemsize
-    return total + kv
+    return streamed_bytes(m, weights) + kv_bytes(m, ctx)
 
 
 def streamed_matrices(m, weights) -> list:
@@ -214,11 +211,6 @@ class _Ours:
         vm_us = float(np.median(te(*args).results) * 1e6)
         return {"context": ctx, "python_step_us": py_us, "vm_call_us": vm_us,
                 "python_overhead_us": py_us - vm_us}
-
-
-def _spread(values) -> dict:
-    return {"median": float(np.median(values)), "min": float(np.min(values)),
-            "max": float(np.max(values)), "values": [float(v) for v in values]}
 
 
 # the vector extensions that decide which kernels fit a CPU (reported with each run)
@@ -389,7 +381,7 @@ def _over_pairs(pairs: list, value, key: str = "stable") -> dict:
     """Median and min-max of ``value(pair)`` over the stable pairs (``pair[key]``; over all pairs
     when none is stable); ``stable`` counts the stable ones."""
     use = [p for p in pairs if p[key]] or pairs
-    return {**_spread([value(p) for p in use]),
+    return {**spread([value(p) for p in use]),
             "stable": sum(p[key] for p in pairs), "pairs": len(pairs)}
 
 
@@ -412,7 +404,7 @@ def _by_regime(pairs: list, split: float | None, value, key: str = "stable") -> 
     for name, keep in (("fast", lambda b: b >= split), ("slow", lambda b: b < split)):
         use = [p for p in pairs if p[key] and keep(np.mean(p["bandwidth_gbps"]))]
         if use:
-            out[name] = {**_spread([value(p) for p in use]), "pairs": len(use)}
+            out[name] = {**spread([value(p) for p in use]), "pairs": len(use)}
     return out
 
 
@@ -502,7 +494,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
            "floor_fraction": {c: _over_pairs(pairs[c], ours_ff) for c in ctxs},
            "floor_fraction_by_regime": {c: _by_regime(pairs[c], split, ours_ff) for c in ctxs},
            # interleaved within each pair (``paged_ratio``): every pair counts, stable or not
-           "paged_vs_contiguous": {"context": big, "pairs": len(pairs[big]), **_spread(
+           "paged_vs_contiguous": {"context": big, "pairs": len(pairs[big]), **spread(
                [p["paged"]["ratio"] for p in pairs[big]])},
            "replan": ours.replan_ratio(cfg["replan"]),
            # the read-only step (the streamed matrices, one read-only kernel each) in each
@@ -535,7 +527,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
         res["vs_llamacpp"] = {
             "decode": {c: _over_pairs(pairs[c], ratio) for c in ctxs},
             "decode_by_regime": {c: _by_regime(pairs[c], split, ratio) for c in ctxs},
-            "prefill": {p: _spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
+            "prefill": {p: spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
     # tables name a model given as a path by its file or folder name; the path stays in JSON
@@ -558,12 +550,8 @@ def _in_child(fn, *args):
 
 
 def _hf_child(source: ModelSource, cfg: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model_hf = baselines.hf_model(source.config, source.load_params("float32"), "float32")
-    return baselines.time_hf(model_hf, cfg["contexts"], max(cfg["n_tokens"] // 2, 4),
-                             cfg["prompts"])
+    return baselines.time_hf(baselines.hf_float32(source), cfg["contexts"],
+                             max(cfg["n_tokens"] // 2, 4), cfg["prompts"])
 
 
 def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
