@@ -261,6 +261,16 @@ def rope_kv_write_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, c
     return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
+def _device_write_ok(bt, row, ctx, off, cap: int, bs: int, nb):
+    """The write guard of a decode token whose ``ctx`` and ``off`` are device data (no host
+    assert can check them): ``ctx`` in [1, max_blocks_cap * block_size], ``off`` inside the pool
+    and equal to table row ``row``'s slot for position ``ctx - 1`` (the table index clamped
+    into [0, max_blocks_cap), so a bad ``ctx`` reads no further)."""
+    slot = T.Cast("int64", bt[row, T.max(T.min((ctx - 1) // bs, T.int64(cap - 1)),
+                                         T.int64(0))]) * bs + (ctx - 1) % bs
+    return tirx.all(1 <= ctx, ctx <= cap * bs, 0 <= off, off < nb * bs, slot == off)
+
+
 @cached
 def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
     """``rope_kv_write_decode`` with ``write_off`` and ``context_len`` in (1,) int64 device
@@ -280,11 +290,7 @@ def rope_kv_write_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: in
         v_pool = T.match_buffer(var_v, (nb, Hkv, bs, D), cdt)
         with T.sblock("root"):
             body(qkv, k_pool, v_pool, inv_freq, q_rot, write_off[0], context_len[0],
-                 1 <= context_len[0] and context_len[0] <= cap * bs
-                 and 0 <= write_off[0] and write_off[0] < nb * bs
-                 and T.Cast("int64", bt[0, T.max(T.min((context_len[0] - 1) // bs,
-                                                       T.int64(cap - 1)), T.int64(0))]) * bs
-                 + (context_len[0] - 1) % bs == write_off[0])
+                 _device_write_ok(bt, 0, context_len[0], write_off[0], cap, bs, nb))
 
     return finalize(func, f"rope_kv_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
 
@@ -340,11 +346,8 @@ def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cd
                         qkv, k_pool, v_pool, inv_freq, q_rot, r,
                         T.max(context_lens[r] - 1, T.int64(0)),
                         write_offs[r] // bs, write_offs[r] % bs,
-                        1 <= context_lens[r] and context_lens[r] <= cap * bs
-                        and 0 <= write_offs[r] and write_offs[r] < nb * bs
-                        and T.Cast("int64", bt[r, T.max(T.min(
-                            (context_lens[r] - 1) // bs, T.int64(cap - 1)), T.int64(0))])
-                        * bs + (context_lens[r] - 1) % bs == write_offs[r], hd, d)
+                        _device_write_ok(bt, r, context_lens[r], write_offs[r], cap, bs, nb),
+                        hd, d)
 
     func = rope_kv_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
     return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
