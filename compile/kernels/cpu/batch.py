@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import attention_batch_func, matmul_func, rope_kv_batch_func
 from .attention import _attend_macro
-from .fastmath import fexp
+from .fastmath import silu_mul
 from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
 from .simd import prefetch_ahead_macro, scratch_buffer
@@ -193,7 +193,6 @@ def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int):
                         dot(x, W, gate_row(task * ROWS_PER_TASK + i), gu, 0)
                         dot(x, W, up_row(task * ROWS_PER_TASK + i), gu, 1)
                         for r in range(B):
-                            act[r, task * ROWS_PER_TASK + i] = gu[0, r] / (
-                                T.float32(1) + fexp(-gu[0, r])) * gu[1, r]
+                            act[r, task * ROWS_PER_TASK + i] = silu_mul(gu[0, r], gu[1, r])
 
     return finalize(func, f"gemv_rows{B}_swiglu_{I}x{K}_{dtype_tag(wdt)}")

@@ -27,3 +27,8 @@ def fexp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     y = p * r * r + r + f32(1.0)
     scale = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
     return y * scale
+
+
+def silu_mul(gate: tirx.PrimExpr, up: tirx.PrimExpr) -> tirx.PrimExpr:
+    """silu(gate) * up (the SwiGLU product) for float32 expressions, through ``fexp``."""
+    return gate / (tirx.const(1.0, "float32") + fexp(-gate)) * up

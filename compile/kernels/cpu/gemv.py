@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 from ...params import GATE_UP_ROWS
 from ..common import cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import gemv_func
-from .fastmath import fexp
+from .fastmath import silu_mul
 from .simd import (VL, claimed_units, lane_slice, lane_sum_macro, prefetch_ahead_macro,
                    scratch_buffer)
 
@@ -227,7 +227,7 @@ def swiglu_store(act, gate, up, u, I):
     """act[0, u UR + r] = silu(gate[r]) * up[r] for unit u's rows below I (UR: the unit's
     SWIGLU_UNIT_ROWS; gate / up hold defined values past I)."""
     for r in T.vectorized(SWIGLU_UNIT_ROWS):
-        gate[r] = gate[r] / (T.float32(1) + fexp(-gate[r])) * up[r]
+        gate[r] = silu_mul(gate[r], up[r])
     for r in range(T.min(SWIGLU_UNIT_ROWS, I - u * SWIGLU_UNIT_ROWS)):
         act[0, u * SWIGLU_UNIT_ROWS + r] = gate[r]
 

@@ -20,7 +20,7 @@ from tvm.script import tirx as T
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func
-from .fastmath import fexp
+from .fastmath import silu_mul
 from .simd import VL, prefetch_ahead_macro, scratch_buffer
 
 
@@ -125,7 +125,7 @@ def swiglu_store_macro(TN: int):
     @T.macro
     def store(act, g, u, m0, c0, rows):
         for r, c in T.grid(rows, TN):
-            act[m0 + r, c0 + c] = g[r, c, 0] / (T.float32(1) + fexp(-g[r, c, 0])) * u[r, c, 0]
+            act[m0 + r, c0 + c] = silu_mul(g[r, c, 0], u[r, c, 0])
 
     return store
 
