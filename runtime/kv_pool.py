@@ -117,8 +117,6 @@ class PagedKVCache:
         self._lock = threading.RLock()
         self._pools = self._new_tensors()
         self._host_views = self._make_host_views()
-        self._block_slab = (self.n_kv_heads * self.block_size * self.head_dim
-                            * np.dtype(cache_dtype).itemsize)  # one block of one pool tensor
         self._allocator = BlockAllocator(self.num_blocks)
         self._handles: dict[int, SessionHandle] = {}
         self._alloc_id = _mint(_ALLOC_IDS)
@@ -331,9 +329,10 @@ class PagedKVCache:
                 view[dst] = view[src]
             return
         shape = (1, *self._pools[0].shape[1:])
+        slab = self.bytes_per_block // len(self._pools)  # one block of one pool tensor
         for t in self._pools:
-            t._create_view(shape, relative_byte_offset=dst * self._block_slab).copyfrom(
-                t._create_view(shape, relative_byte_offset=src * self._block_slab))
+            t._create_view(shape, relative_byte_offset=dst * slab).copyfrom(
+                t._create_view(shape, relative_byte_offset=src * slab))
 
     def _cow_and_grow(self, handle: SessionHandle, shared: list[int], n_new: int) -> None:
         """Replace ``handle``'s shared blocks at ``shared`` by private copies, append ``n_new``."""
