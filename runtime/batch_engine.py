@@ -314,9 +314,13 @@ class BatchEngine:
     def _retire(self, req: Request, error: BaseException | None = None) -> None:
         stream = self._streams.pop(req.id, None)
         if stream is not None:
-            with self._lock:
-                self._active -= 1
-            stream._close("error" if error is not None else req.finish_reason, error)
+            # the stream ends before the count drops: whoever reads stats() showing nothing
+            # active finds every stream's finish_reason set
+            try:
+                stream._close("error" if error is not None else req.finish_reason, error)
+            finally:
+                with self._lock:
+                    self._active -= 1
 
     def _fail_all(self, error: BaseException) -> None:
         sched = self.scheduler

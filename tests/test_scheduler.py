@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from paged_decode.runtime.batch_engine import BatchEngine
+from paged_decode.runtime.batch_engine import BatchEngine, RequestStream
 from paged_decode.runtime.engine import Engine
 from paged_decode.runtime.errors import CapacityError, InputError
 from paged_decode.runtime.generate import Generator
@@ -218,6 +218,27 @@ def test_cancelling_a_stream_frees_its_blocks(engines):
     assert stream.finish_reason == "cancelled" and len(rest) < 50
     batch.generate_many(["a"], max_new_tokens=2)  # a step after the cancel has run
     assert _all_free(batch.scheduler)
+
+
+def test_a_stream_has_ended_before_stats_stop_counting_it(engines, monkeypatch):
+    """Whoever sees nothing running or waiting finds every stream's finish_reason set."""
+    batch, _ = engines
+    counted_at_close: list = []
+    real = RequestStream._close
+
+    def close(stream, *args):
+        stats = batch.stats()
+        counted_at_close.append(stats["running"] + stats["waiting"])
+        real(stream, *args)
+
+    monkeypatch.setattr(RequestStream, "_close", close)
+    streams = [batch.submit(p, max_new_tokens=4) for p in PROMPTS[:3]]
+    cancelled = batch.submit("hello", max_new_tokens=50)
+    next(iter(cancelled))
+    cancelled.cancel()
+    for s in streams + [cancelled]:
+        s.text()
+    assert len(counted_at_close) == 4 and all(n >= 1 for n in counted_at_close)
 
 
 def test_bad_submissions_raise_before_queueing(engines):
