@@ -398,6 +398,26 @@ class _KMin(WeightFormat):
         # both arms' bytes lie inside the super-block's first 16 bytes for every s in 0..7
         return T.Cast("float32", T.if_then_else(s < 4, low, high))
 
+    def sub_scales8(self, Wv, c, base, mins: bool):
+        """float32x8: the eight sub-blocks' scales d sc_s (``mins``: offsets -dmin m_s) of the
+        super-block at byte ``base``, decoded as one vector (a scalar decode per unit, once
+        unrolled, is what LLVM's SLP vectorizer turns into AMD's slow ``insertq``)."""
+        def four(j):
+            return T.Cast("int32x4", Wv[0].vload([c, base + 4 + j], "uint8x4"))
+
+        def lanes(v):
+            return T.broadcast(T.int32(v), 4)
+
+        d, m, md = four(0), four(4), four(8)
+        if mins:
+            q = _cat(T.bitwise_and(m, lanes(63)), T.bitwise_or(
+                T.shift_right(md, lanes(4)), T.shift_left(T.shift_right(m, lanes(6)), lanes(4))), 4)
+            return T.Cast("float32x8", q) * T.broadcast(
+                -T.Cast("float32", Wv[2][c, base // 2 + 1]), 8)
+        q = _cat(T.bitwise_and(d, lanes(63)), T.bitwise_or(
+            T.bitwise_and(md, lanes(15)), T.shift_left(T.shift_right(d, lanes(6)), lanes(4))), 4)
+        return T.Cast("float32x8", q) * T.broadcast(T.Cast("float32", Wv[2][c, base // 2]), 8)
+
     def scale(self, Wv, c, b):
         base, s = self._where(b)
         return (T.Cast("float32", Wv[2][c, base // 2])

@@ -67,8 +67,7 @@ class _Builder:
                  k: KernelSet, all_rows: bool = False, rows: int | None = None):
         self.bb, self.spec, self.cfg, self.n_static, self.k = bb, spec, spec.config, n_static, k
         self.all_rows = all_rows
-        # a batch bucket this small streams float weights through the small-batch GEMVs
-        self.small = rows if rows is not None and rows <= k.small_rows else None
+        self.rows = rows  # a batch bucket's rows (None: prefill, decode)
         self._funcs = funcs  # kernel name -> GlobalVar, shared by the functions of one module
 
     def kernel(self, prim_func) -> relax.GlobalVar:
@@ -84,21 +83,26 @@ class _Builder:
     def decode(self) -> bool:
         return self.n_static == 1
 
-    def linear(self, x, w, n, N, K, bias=None, res=None):
+    def linear(self, x, w, n, N, K, bias=None, res=None, opts=None):
         """Prefill matmul, or decode GEMV, with an optional bias / residual epilogue; ``w`` a
-        parameter name."""
+        parameter name; ``opts`` (``head_opts``) go to the GEMV and the small-batch kernels (the
+        matmuls of a quantized format decode weights to float and multiply float x)."""
+        opts = opts or {}
         w, wdt = self.p[w], self.fmt[w]
         epilogue, extra = ("bias", [bias]) if bias is not None else (
             ("residual", [res]) if res is not None else ("none", []))
         if self.decode:
-            return self.call(self.k.gemv(N, K, wdt, epilogue), [x, w] + extra, (1, N))
+            return self.call(self.k.gemv(N, K, wdt, epilogue, **opts), [x, w] + extra, (1, N))
         if self._small_rows(wdt):
-            return self.call(self.k.linear_rows(N, K, wdt, epilogue, self.small),
+            return self.call(self.k.linear_rows(N, K, wdt, epilogue, self.rows, **opts),
                              [x, w] + extra, (n, N))
         return self.call(self.k.linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
 
     def _small_rows(self, wdt: str) -> bool:
-        return self.small is not None and not FORMATS[wdt].quantized
+        """Whether this batch bucket is small enough for the small-batch kernels (float: the
+        GEMVs streaming each weight row once for all rows; quantized: the int8 tiles)."""
+        limit = self.k.small_rows_quant if FORMATS[wdt].quantized else self.k.small_rows
+        return self.rows is not None and self.rows <= limit
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
@@ -118,7 +122,7 @@ class _Builder:
                              (1, inter))
         xn = self.call(self.k.rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
         if self._small_rows(wdt):
-            return self.call(self.k.linear_swiglu_rows(inter, h, wdt, self.small), [xn, w],
+            return self.call(self.k.linear_swiglu_rows(inter, h, wdt, self.rows), [xn, w],
                              (n, inter))
         return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
@@ -165,7 +169,7 @@ class _Builder:
         v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
         if self.all_rows:
             x = self.call(self.k.rmsnorm(h, eps, None), [x, p["final_norm"]], (n, h))
-            return self.linear(x, head, n, v, h)
+            return self.linear(x, head, n, v, h, opts=self.head_opts(head))
         if not self.decode:  # only the last position's logits
             x = self.call(self.k.rmsnorm(h, eps, None, last_only=True), [x, p["final_norm"]],
                           (1, h))
@@ -175,7 +179,8 @@ class _Builder:
                          [x, p["final_norm"], p[head]], (1, v))
 
     def head_opts(self, head: str) -> dict:
-        """A quantized LM head reads int16 activations (``kernels.cpu.quant.gemv``)."""
+        """A quantized LM head reads int16 activations (``kernels.cpu.quant.gemv``,
+        ``linear_int8``)."""
         return {"wide_x": True} if FORMATS[self.fmt[head]].quantized else {}
 
 

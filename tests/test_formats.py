@@ -249,6 +249,52 @@ def test_quantized_prefill_swiglu(fmt):
     _close(act.numpy(), a / (1 + np.exp(-a)) * b)
 
 
+# the int8 tiles (small batch buckets): every format with one epilogue, the other epilogues and
+# the LM head's int16 x with one 32-weight format and one k-quant
+INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS] + [
+    (f, e, w) for f in ("q4_1", "q4_k") for e, w in (("none", True), ("residual", False))]
+
+
+@pytest.mark.parametrize("fmt,epilogue,wide_x", INT8_CASES)
+def test_int8_tile_linear(fmt, epilogue, wide_x):
+    """One kernel over 1, 3 and 70 tokens: 70 = 8 tiles of 8 in a block of 64, then 4 + 2 in
+    the next; 3 = 2 + 1.  x quantized per row as the decode GEMV's."""
+    N, K = 130, _k(fmt, 160, 768)
+    rng = np.random.default_rng(8)
+    packed, Wd = _weights(fmt, N, K)
+    kernel = _compiled(quant.linear_int8, N, K, fmt, epilogue, wide_x)
+    for n in (1, 3, 70):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        xq = np.stack([_x_as_quantized(r, 32767 if wide_x else 127) for r in x])
+        want = xq.astype(np.float64) @ Wd.T
+        args = [_t(x), _t(packed)]
+        if epilogue == "bias":
+            bias = rng.standard_normal(N).astype(np.float32)
+            args.append(_t(bias))
+            want = want + bias
+        if epilogue == "residual":
+            res = rng.standard_normal((n, N)).astype(np.float32)
+            args.append(_t(res))
+            want = want + res
+        y = _t(np.zeros((n, N), np.float32))
+        kernel(*args, y)
+        _close(y.numpy(), want)
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_int8_tile_swiglu(fmt):
+    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 7
+    rng = np.random.default_rng(9)
+    gate, gd = _weights(fmt, I, K, 10)
+    up, ud = _weights(fmt, I, K, 11)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xq = np.stack([_x_as_quantized(r) for r in x]).astype(np.float64)
+    a, b = xq @ gd.T, xq @ ud.T
+    act = _t(np.zeros((n, I), np.float32))
+    _compiled(quant.linear_swiglu_int8, I, K, fmt)(_t(x), _t(interleave_gate_up(gate, up)), act)
+    _close(act.numpy(), a / (1 + np.exp(-a)) * b)
+
+
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_quantized_embedding_is_the_exact_dequantized_row(fmt):
     V, H = 50, _k(fmt, 96, 512)

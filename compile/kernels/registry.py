@@ -34,11 +34,13 @@ class KernelSet:
     # no batched kernels (its artifacts then have no batch buckets)
     rope_kv_write_batch: Callable | None = None
     paged_attention_batch: Callable | None = None
-    # small-batch GEMVs for float weights: (N, K, wdt, epilogue, B) / (I, K, wdt, B), used by
-    # batch buckets of at most ``small_rows`` rows instead of the matmuls; None: matmuls only
+    # small-batch kernels: (N, K, wdt, epilogue, B) / (I, K, wdt, B), used by batch buckets of
+    # at most ``small_rows`` rows (float weights) / ``small_rows_quant`` rows (quantized)
+    # instead of the matmuls; None: matmuls only
     linear_rows: Callable | None = None
     linear_swiglu_rows: Callable | None = None
     small_rows: int = 0
+    small_rows_quant: int = 0
 
 
 # Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have

@@ -52,4 +52,6 @@ def cpu_kernels(avx512: bool = True) -> KernelSet:
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     batch.gemv_rows, batch.gemv_rows_swiglu, batch.SMALL_ROWS)
+                     _by_format(batch.gemv_rows, quant.linear_rows),
+                     _by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows),
+                     batch.SMALL_ROWS, quant.SMALL_ROWS)

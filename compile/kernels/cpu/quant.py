@@ -26,6 +26,7 @@ from ...formats import FORMATS, QBLOCK
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import gemv_func, matmul_func
+from .fastmath import silu_mul
 from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros, swiglu_store
 from .linear import (DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro,
                      swiglu_store_macro)
@@ -344,3 +345,235 @@ def embedding(V: int, H: int, wfmt: str, n_static: int | None = None):
 
     tag = "dec" if n_static == 1 else "pre"
     return finalize(func, f"embedding_{tag}_{V}x{H}_{wfmt}")
+
+
+# ------------------------------------------------------------------ int8 prefill / batched tile
+# tokens per register tile: each unpacked weight vector serves 8 tokens, 8 float32x8
+# accumulators (4 tokens x 2 rows and 3 x 4 measured 0.85-0.95x of it at 64 tokens on AVX2);
+# the last n % 8 tokens of a block take tiles of 4, 2 and 1
+TT = 8
+
+
+def _rows_quantizer(K: int, wide: bool):
+    """``quantize_rows(x, xq, xd, xsum, n)``: every row of x (n, K) float32 quantized as the
+    decode GEMV quantizes its vector (per 32-block, to int8; ``wide``: int16, the LM head's),
+    rows in parallel; row m at ``xq[m * K]``, ``xd[m * NB]``, ``xsum[m * NB]``."""
+    NB = K // QBLOCK
+    QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
+
+    @T.macro
+    def quantize_rows(x, xq, xd, xsum, n):
+        for m in T.parallel(n):
+            st = T.decl_buffer((3,), "float32")  # max |x|, 1 / dx, sum of xq
+            for b in range(NB):
+                st[0] = T.float32(0)
+                for j in range(QBLOCK):
+                    st[0] = T.max(st[0], T.fabs(x[m, b * QBLOCK + j]))
+                xd[m * NB + b] = st[0] / T.float32(QMAX)
+                st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0],
+                                       T.float32(0))
+                st[2] = T.float32(0)
+                for j in range(QBLOCK):
+                    xq[m * K + b * QBLOCK + j] = T.Cast(
+                        QT, T.nearbyint(x[m, b * QBLOCK + j] * st[1]))
+                    st[2] = st[2] + T.Cast("float32", xq[m * K + b * QBLOCK + j])
+                xsum[m * NB + b] = st[2] * xd[m * NB + b]
+
+    return quantize_rows
+
+
+def _tile_dot(fmt, K: int, tt: int, wide: bool):
+    """``tile(Wv, c, xq, xd, xsum, m0, Y)``: Y[t] = row c of W . token m0 + t of x (quantized
+    by ``_rows_quantizer``) for ``tt`` tokens, each 32-weight unit an integer dot product as in
+    the decode GEMV.  A unit's weights are loaded and unpacked once for all ``tt`` tokens (LLVM
+    keeps the one unpacked vector: nothing is stored to memory between the uses).  Accumulators
+    are float32x8 per token, in ``ACCS / tt`` chains taken by units in turn where ``tt`` is
+    below ``ACCS`` (one chain would wait on its add's latency every unit), reduced once."""
+    NB = K // QBLOCK
+    _RB, U, _STEP = _row_step(fmt, K)
+    chains = max(1, ACCS // tt)
+    unit_dot = fmt.wide_dot if wide else fmt.int_dot
+    # Q4_K / Q5_K: the super-block's scales and offsets decoded as vectors once per step
+    vector_scales = hasattr(fmt, "sub_scales8")
+
+    def scale(Wv, c, b, a, sm):
+        return sm[0, a] if vector_scales else fmt.scale(Wv, c, b)
+
+    def offset(Wv, c, b, a, sm):
+        return sm[1, a] if vector_scales else fmt.offset(Wv, c, b)
+
+    @T.macro
+    def unit(Wv, c, b, a, sm, xq, xd, xsum, m0, acc, macc):
+        for t in T.unroll(tt):
+            acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + T.Cast(
+                "float32x8", unit_dot(Wv, c, b, xq, (m0 + t) * K + b * QBLOCK)
+            ) * T.broadcast(scale(Wv, c, b, a, sm) * xd[(m0 + t) * NB + b], 8)
+            if fmt.has_offset:
+                macc[a % chains, t] = macc[a % chains, t] + offset(Wv, c, b, a, sm) * xsum[
+                    (m0 + t) * NB + b]
+
+    @T.macro
+    def tile(Wv, c, xq, xd, xsum, m0, Y):
+        acc = T.decl_buffer((chains, tt, 8), "float32")
+        macc = T.decl_buffer((chains, tt), "float32")
+        for h in T.unroll(chains):
+            for t in T.unroll(tt):
+                acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+                macc[h, t] = T.float32(0)
+        sm = T.decl_buffer((2, 8), "float32")
+        for bo in range(NB // U):
+            if vector_scales:
+                sm[0, T.ramp(0, 1, 8)] = fmt.sub_scales8(Wv, c, bo * fmt.block_bytes, False)
+                sm[1, T.ramp(0, 1, 8)] = fmt.sub_scales8(Wv, c, bo * fmt.block_bytes, True)
+            for a in T.unroll(U):
+                unit(Wv, c, bo * U + a, a, sm, xq, xd, xsum, m0, acc, macc)
+        for a in T.unroll(NB % U):
+            unit(Wv, c, NB // U * U + a, a, sm, xq, xd, xsum, m0, acc, macc)
+        for t in T.unroll(tt):
+            for h in T.unroll(chains - 1):
+                for v in T.vectorized(8):
+                    acc[0, t, v] = acc[0, t, v] + acc[h + 1, t, v]
+                macc[0, t] = macc[0, t] + macc[h + 1, t]
+            for v in T.vectorized(4):
+                acc[0, t, v] = acc[0, t, v] + acc[0, t, v + 4]
+            Y[t] = ((acc[0, t, 0] + acc[0, t, 1]) + (acc[0, t, 2] + acc[0, t, 3])
+                    + macc[0, t])
+
+    return tile
+
+
+def _token_tiles(fmt, K: int, wide: bool, finish):
+    """``run(Wv, c, xq, xd, xsum, m0, rows, Y, a0, a1, a2, a3)``: row c against ``rows`` tokens
+    from m0, 8 at a time, then tiles of 4, 2, 1 for the rest; ``finish(tt)`` gives the macro
+    ``(Y, m, c, a0, a1, a2, a3)`` that stores each tile of ``tt`` tokens from m."""
+    tiles = {tt: (_tile_dot(fmt, K, tt, wide), finish(tt)) for tt in (TT, 4, 2, 1)}
+
+    @T.macro
+    def run(Wv, c, xq, xd, xsum, m0, rows, Y, a0, a1, a2, a3):
+        for mo in range(rows // TT):
+            tiles[TT][0](Wv, c, xq, xd, xsum, m0 + mo * TT, Y)
+            tiles[TT][1](Y, m0 + mo * TT, c, a0, a1, a2, a3)
+        if rows % TT >= 4:
+            tiles[4][0](Wv, c, xq, xd, xsum, m0 + rows // TT * TT, Y)
+            tiles[4][1](Y, m0 + rows // TT * TT, c, a0, a1, a2, a3)
+        if rows % 4 >= 2:
+            tiles[2][0](Wv, c, xq, xd, xsum, m0 + rows // 4 * 4, Y)
+            tiles[2][1](Y, m0 + rows // 4 * 4, c, a0, a1, a2, a3)
+        if rows % 2 == 1:
+            tiles[1][0](Wv, c, xq, xd, xsum, m0 + rows // 2 * 2, Y)
+            tiles[1][1](Y, m0 + rows // 2 * 2, c, a0, a1, a2, a3)
+
+    return run
+
+
+def _x_scratch(K: int, n, wide: bool):
+    """Scratch for x quantized (``_rows_quantizer``): one workspace per call."""
+    NB = K // QBLOCK
+    return (T.decl_buffer((n * K,), "int16" if wide else "int8", scope="local"),
+            T.decl_buffer((n * NB,), "float32", scope="local"),
+            T.decl_buffer((n * NB,), "float32", scope="local"))
+
+
+@cached
+def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False):
+    """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``, x quantized once
+    per call as the decode GEMV's (int8 per 32-block; ``wide_x``: int16, the LM head's): the
+    GEMV's integer dot products in register tiles of up to 8 tokens per weight row."""
+    assert epilogue in EPILOGUES
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    quantize_rows = _rows_quantizer(K, wide_x)
+
+    def finish(tt):
+        @T.macro
+        def store(Y, m, c, y, bias, res, unused):
+            for t in range(tt):
+                if epilogue == "bias":
+                    y[m + t, c] = Y[t] + bias[c]
+                elif epilogue == "residual":
+                    y[m + t, c] = Y[t] + res[m + t, c]
+                else:
+                    y[m + t, c] = Y[t]
+
+        return store
+
+    run = _token_tiles(fmt, K, wide_x, finish)
+    m0, co, rows = _task(N)
+
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        Wi, Wh = as_int8(W), as_f16(W)
+        xq, xd, xsum = _x_scratch(K, n, wide_x)
+        quantize_rows(x, xq, xd, xsum, n)
+        for task in T.parallel((n + MB - 1) // MB * N):
+            Y = T.decl_buffer((TT,), "float32")
+            run((W, Wi, Wh), co(task), xq, xd, xsum, m0(task), rows(task, n), Y, y, bias, res,
+                0)
+
+    func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
+    return finalize(func, f"matmul_i8{'_wx' if wide_x else ''}_{epilogue}_{N}x{K}_{wfmt}")
+
+
+@cached
+def linear_swiglu_int8(I: int, K: int, wfmt: str):
+    """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
+    in alternating runs; x quantized to int8 as ``linear_int8``'s."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K)
+    gate_row, up_row = gate_up_rows(I)
+    quantize_rows = _rows_quantizer(K, False)
+    m0, co, rows = _task(I)
+    n = token_dim(None)
+
+    def finish_gate(tt):
+        @T.macro
+        def keep(Y, m, row, G, first, act, c):
+            for t in range(tt):
+                G[m - first + t] = Y[t]
+
+        return keep
+
+    def finish_up(tt):
+        @T.macro
+        def store(Y, m, row, G, first, act, c):
+            for t in range(tt):
+                act[m + t, c] = silu_mul(G[m - first + t], Y[t])
+
+        return store
+
+    run_gate = _token_tiles(fmt, K, False, finish_gate)
+    run_up = _token_tiles(fmt, K, False, finish_up)
+
+    @T.prim_func(s_tir=True)
+    def func(var_x: T.handle, W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), var_act: T.handle):
+        x = T.match_buffer(var_x, (n, K), "float32")
+        act = T.match_buffer(var_act, (n, I), "float32")
+        with T.sblock("root"):
+            Wi, Wh = as_int8(W), as_f16(W)
+            xq, xd, xsum = _x_scratch(K, n, False)
+            quantize_rows(x, xq, xd, xsum, n)
+            for task in T.parallel((n + MB - 1) // MB * I):
+                Y = T.decl_buffer((TT,), "float32")
+                G = T.decl_buffer((MB,), "float32")
+                run_gate((W, Wi, Wh), gate_row(co(task)), xq, xd, xsum, m0(task), rows(task, n),
+                         Y, G, m0(task), act, co(task))
+                run_up((W, Wi, Wh), up_row(co(task)), xq, xd, xsum, m0(task), rows(task, n), Y,
+                       G, m0(task), act, co(task))
+
+    return finalize(func, f"matmul_i8_swiglu_{I}x{K}_{wfmt}")
+
+
+# batch buckets of at most this many rows over quantized weights take the int8 tiles; larger
+# ones and prefill the float tile over decoded weights, which measured faster from 8 rows on
+# (docs/design.md: Batched decode)
+SMALL_ROWS = 4
+
+
+def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: bool = False):
+    """``linear_int8`` for a batch bucket of ``rows`` rows (its tiles take any count)."""
+    return linear_int8(N, K, wfmt, epilogue, wide_x)
+
+
+def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int):
+    """``linear_swiglu_int8`` for a batch bucket of ``rows`` rows."""
+    return linear_swiglu_int8(I, K, wfmt)
