@@ -135,9 +135,10 @@ def _hf_batch_child(source, rows, context: int, steps: int) -> dict:
     return baselines.time_hf_batched(baselines.hf_float32(source), rows, context, steps)
 
 
-def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child) -> dict:
+def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child, hf=None) -> dict:
     """The batched section for one model x dtype (``lc``: a started ``baselines.LlamaCpp`` or
-    None; ``in_child(fn, *args)`` runs HF in a process of its own)."""
+    None; ``in_child(fn, *args)`` runs HF in a process of its own; ``hf``: HF's timings from an
+    earlier dtype of the same model, reused: HF runs float32 whatever the dtype)."""
     import importlib.util
 
     rows = tuple(cfg["rows"])
@@ -150,7 +151,9 @@ def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child) -> dic
         say(f"  batched round {r + 1}/{cfg['rounds']}")
         for b in rows:
             groups[b].append(_group(ours, lc, b, cfg, max(rows), costs[b]))
-    if importlib.util.find_spec("transformers") is None:
+    if hf is not None:
+        say("  HF transformers batched generate: as measured for the model's first dtype")
+    elif importlib.util.find_spec("transformers") is None:
         hf = {"skipped": "transformers is not installed (pip install -e '.[bench]')"}
     else:
         say("  HF transformers batched generate (float32)")

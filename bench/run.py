@@ -431,16 +431,19 @@ def _prepare(source: ModelSource, dtype: str, cfg: dict, artifacts, say, workdir
 
 
 def _run_batch(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
-               workdir: Path) -> dict:
-    """The batched section for one model x dtype (``batch.run_batch``)."""
+               workdir: Path, hf_by_model: dict) -> dict:
+    """The batched section for one model x dtype (``batch.run_batch``); HF's float32 timings
+    are measured once per model (``hf_by_model``) and shared by its dtypes."""
     prepared, gguf = _prepare(source, dtype, cfg, artifacts, say, workdir)
     bcfg = cfg["batch"]
     lc, lc_skip = _start_llamacpp(source, dtype, _max_context(cfg) + 64, workdir, say, gguf)
     try:
-        res = batch.run_batch(prepared, source, dtype, bcfg, lc, say, _in_child)
+        res = batch.run_batch(prepared, source, dtype, bcfg, lc, say, _in_child,
+                              hf=hf_by_model.get(model))
     finally:
         if lc is not None:
             lc.close()
+    hf_by_model.setdefault(model, res["hf_ms"])
     res["llama.cpp"] = {"skipped": lc_skip} if lc is None else {
         "n_seq_max": max(bcfg["rows"]), "kv_unified": False}
     return {"model": Path(model).name if os.sep in model else model, "model_arg": model,
@@ -587,6 +590,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                           "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
               "sections": list(sections), "runs": [], "batch_runs": []}
+    hf_by_model: dict = {}
     with tempfile.TemporaryDirectory() as work:
         for model in models:
             for dtype in dtypes:
@@ -596,7 +600,8 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                                                    say, Path(work)))
                 if "batch" in sections:
                     report["batch_runs"].append(_run_batch(model, sources[model], dtype, cfg,
-                                                           artifacts, say, Path(work)))
+                                                           artifacts, say, Path(work),
+                                                           hf_by_model))
     from .report import write_outputs
 
     return write_outputs(report, out_dir)

@@ -252,6 +252,30 @@ def test_each_model_is_resolved_once_and_passed_through(monkeypatch, tmp_path):
     assert bench.resolve_model(seen[0][1]) is seen[0][1]  # a resolved source is kept as it is
 
 
+def test_hf_batched_runs_once_per_model_and_is_shared_by_its_dtypes(monkeypatch, tmp_path):
+    """HF generate runs float32 whatever the dtype: the batch section measures it for a model's
+    first dtype and hands that result to the others."""
+    given = []
+
+    def fake_run_batch(prepared, source, dtype, cfg, lc, say, in_child, hf=None):
+        given.append((source.config.name, dtype, hf))
+        return {"hf_ms": hf if hf is not None else {"measured_for": (source.config.name, dtype)}}
+
+    monkeypatch.setattr(bench, "_prepare", lambda *a: (None, None))
+    monkeypatch.setattr(bench, "_start_llamacpp", lambda *a: (None, "not here"))
+    monkeypatch.setattr(bench.batch, "run_batch", fake_run_batch)
+    monkeypatch.setattr(bench_report, "write_outputs", lambda report, out: report)
+    report = bench.run_bench(["tiny", "llama-160m"], tmp_path / "out", quick=True,
+                             sections=("batch",))
+    assert given == [("tiny", "float32", None),
+                     ("tiny", "float16", {"measured_for": ("tiny", "float32")}),
+                     ("llama-160m", "float32", None),
+                     ("llama-160m", "float16", {"measured_for": ("llama-160m", "float32")})]
+    assert [r["hf_ms"]["measured_for"] for r in report["batch_runs"]] == [
+        ("tiny", "float32"), ("tiny", "float32"), ("llama-160m", "float32"),
+        ("llama-160m", "float32")]
+
+
 def test_bench_quantized_kinds_name_what_they_need(tmp_path):
     """``--dtype gguf`` measures a GGUF's own file: a preset has none, and the error says what
     to use instead."""
