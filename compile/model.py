@@ -85,8 +85,7 @@ class _Builder:
 
     def linear(self, x, w, n, N, K, bias=None, res=None, opts=None):
         """Prefill matmul, or decode GEMV, with an optional bias / residual epilogue; ``w`` a
-        parameter name; ``opts`` (``head_opts``) go to the GEMV and the small-batch kernels (the
-        matmuls of a quantized format decode weights to float and multiply float x)."""
+        parameter name; ``opts`` (``head_opts``) go to the kernel."""
         opts = opts or {}
         w, wdt = self.p[w], self.fmt[w]
         epilogue, extra = ("bias", [bias]) if bias is not None else (
@@ -96,7 +95,7 @@ class _Builder:
         if self._small_rows(wdt):
             return self.call(self.k.linear_rows(N, K, wdt, epilogue, self.rows, **opts),
                              [x, w] + extra, (n, N))
-        return self.call(self.k.linear(N, K, wdt, epilogue), [x, w] + extra, (n, N))
+        return self.call(self.k.linear(N, K, wdt, epilogue, **opts), [x, w] + extra, (n, N))
 
     def _small_rows(self, wdt: str) -> bool:
         """Whether this batch bucket is small enough for the small-batch kernels (float: the

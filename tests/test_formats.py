@@ -281,6 +281,23 @@ def test_int8_tile_linear(fmt, epilogue, wide_x):
         _close(y.numpy(), want)
 
 
+def test_prefill_of_long_rows_takes_the_int8_tile():
+    """Prefill matmuls over rows of at least INT8_MIN_K weights are the int8 tiles (LM head:
+    int16 x); shorter rows keep the float tile over decoded weights."""
+    long_k, short_k = quant.INT8_MIN_K, quant.INT8_MIN_K - 256
+
+    def name(func):
+        return func.attrs["global_symbol"]
+
+    assert name(quant.linear(64, long_k, "q4_0")) == name(quant.linear_int8(64, long_k, "q4_0"))
+    assert name(quant.linear(64, long_k, "q8_0", "none", TILES[False]["linear"], True)) == name(
+        quant.linear_int8(64, long_k, "q8_0", "none", True))
+    assert name(quant.linear_swiglu(32, long_k, "q4_k")) == name(
+        quant.linear_swiglu_int8(32, long_k, "q4_k"))
+    for func in (quant.linear(64, short_k, "q4_0"), quant.linear_swiglu(32, short_k, "q4_k")):
+        assert "_i8" not in name(func)
+
+
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_int8_tile_swiglu(fmt):
     I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 7

@@ -11,9 +11,13 @@ shared out in 16-row units as the float GEMV's are (``claimed_units``).  The LM 
 its input to int16 instead (``wide_x``: ``vpmaddwd`` of widened quants), as accurate as float32
 activations to ~1e-5 and faster than decoding its blocks to float.
 
-Prefill / batched matmul: each parallel task decodes its tile of weight rows to float32 once
-(a scratch of ``TN x K``) and runs the float register tile of ``linear.py`` over its block of
-up to 64 tokens, so decoding costs once per 64 tokens, and activations stay float32.
+Prefill / batched matmul, two kinds.  The int8 tile (``linear_int8``: batch buckets of at most
+``SMALL_ROWS`` rows, and prefill over rows of at least ``INT8_MIN_K`` weights) quantizes every
+row of x once per call as the GEMV does and takes the GEMV's integer dot products, each unpacked
+weight unit used for up to 8 tokens.  Otherwise each parallel task decodes its tile of weight
+rows to float32 once (a scratch of ``TN x K``) and runs the float register tile of
+``linear.py`` over its block of up to 64 tokens (activations stay float32), which measured
+faster on short rows (docs/design.md).
 
 Embedding: the rows of the ids, decoded.
 """
@@ -245,9 +249,18 @@ def _row_decoder(fmt, K: int):
     return decode
 
 
+# Rows at least this long take the int8 tile in prefill too (docs/design.md: Quantized weights)
+INT8_MIN_K = 2048
+
+
 @cached
-def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE):
-    """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``."""
+def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
+           wide_x: bool = False):
+    """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``: the int8 tile where
+    K >= ``INT8_MIN_K``, else the float tile over decoded weights (x float32, so ``wide_x``,
+    the LM head's int16 x for the int8 tile, changes nothing there)."""
+    if K >= INT8_MIN_K:
+        return linear_int8(N, K, wfmt, epilogue, wide_x)
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
@@ -283,7 +296,9 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE)
 @cached
 def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
-    in alternating runs."""
+    in alternating runs (the int8 tile where K >= ``INT8_MIN_K``)."""
+    if K >= INT8_MIN_K:
+        return linear_swiglu_int8(I, K, wfmt)
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
