@@ -204,6 +204,24 @@ def test_quantized_gemv_swiglu(fmt, I, Ks):
     _close(act.numpy()[0], want)
 
 
+def _check_matmul(kernel, rng, x, packed, want, epilogue):
+    """Run a prefill matmul over x (n, K) with a random bias / residual for its epilogue and
+    compare with ``want`` (the product without it)."""
+    n, N = x.shape[0], want.shape[1]
+    args = [_t(x), _t(packed)]
+    if epilogue == "bias":
+        bias = rng.standard_normal(N).astype(np.float32)
+        args.append(_t(bias))
+        want = want + bias
+    if epilogue == "residual":
+        res = rng.standard_normal((n, N)).astype(np.float32)
+        args.append(_t(res))
+        want = want + res
+    y = _t(np.zeros((n, N), np.float32))
+    kernel(*args, y)
+    _close(y.numpy(), want)
+
+
 LINEAR_TILES = sorted({t["linear"] for t in TILES.values()})
 # every format through one epilogue and tile; the epilogues and tiles, shared by all formats,
 # with one 32-weight format and one k-quant
@@ -221,18 +239,7 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
     for n in (1, 3, 70):
         x = rng.standard_normal((n, K)).astype(np.float32)
         want = x.astype(np.float64) @ Wd.T
-        args = [_t(x), _t(packed)]
-        if epilogue == "bias":
-            bias = rng.standard_normal(N).astype(np.float32)
-            args.append(_t(bias))
-            want = want + bias
-        if epilogue == "residual":
-            res = rng.standard_normal((n, N)).astype(np.float32)
-            args.append(_t(res))
-            want = want + res
-        y = _t(np.zeros((n, N), np.float32))
-        kernel(*args, y)
-        _close(y.numpy(), want)
+        _check_matmul(kernel, rng, x, packed, want, epilogue)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
@@ -267,18 +274,7 @@ def test_int8_tile_linear(fmt, epilogue, wide_x):
         x = rng.standard_normal((n, K)).astype(np.float32)
         xq = np.stack([_x_as_quantized(r, 32767 if wide_x else 127) for r in x])
         want = xq.astype(np.float64) @ Wd.T
-        args = [_t(x), _t(packed)]
-        if epilogue == "bias":
-            bias = rng.standard_normal(N).astype(np.float32)
-            args.append(_t(bias))
-            want = want + bias
-        if epilogue == "residual":
-            res = rng.standard_normal((n, N)).astype(np.float32)
-            args.append(_t(res))
-            want = want + res
-        y = _t(np.zeros((n, N), np.float32))
-        kernel(*args, y)
-        _close(y.numpy(), want)
+        _check_matmul(kernel, rng, x, packed, want, epilogue)
 
 
 def test_prefill_of_long_rows_takes_the_int8_tile():

@@ -42,6 +42,21 @@ def gemv_func(body, N: int, K: int, wdt: str, epilogue: str, norm: bool, w_shape
     return func
 
 
+def swiglu_matmul_func(body, I: int, K: int, wdt: str, n, w_shape=None):
+    """Prefill SwiGLU over ``n`` (symbolic) tokens: ``x (n, K) W (2I, K) -> act (n, I)``;
+    ``body(x, W, act, n)``; ``w_shape`` as in ``gemv_func``."""
+    w_ty = T.Buffer(w_shape or (2 * I, K), wdt)
+
+    @T.prim_func(s_tir=True)
+    def func(var_x: T.handle, W: w_ty, var_act: T.handle):
+        x = T.match_buffer(var_x, (n, K), "float32")
+        act = T.match_buffer(var_act, (n, I), "float32")
+        with T.sblock("root"):
+            body(x, W, act, n)
+
+    return func
+
+
 def matmul_func(body, N: int, K: int, wdt: str, epilogue: str, n, w_shape=None):
     """Prefill matmul over ``n`` (symbolic) tokens: ``x (n, K) W (N, K) [bias (N,) |
     res (n, N)] -> y (n, N)``; ``body(x, W, y, bias, res, n)``; ``w_shape`` as in

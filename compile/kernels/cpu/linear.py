@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
-from ..signatures import matmul_func
+from ..signatures import matmul_func, swiglu_matmul_func
 from .fastmath import silu_mul
 from .simd import VL, prefetch_ahead_macro, scratch_buffer
 
@@ -175,23 +175,22 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
 
     store = swiglu_store_macro(TN)
 
-    @T.prim_func(s_tir=True)
-    def func(var_x: T.handle, W: T.Buffer((2 * I, K), wdt), var_act: T.handle):
-        x = T.match_buffer(var_x, (n, K), "float32")
-        act = T.match_buffer(var_act, (n, I), "float32")
-        with T.sblock("root"):
-            for task in T.parallel((n + MB - 1) // MB * NT):
-                g = scratch_buffer((TM, TN, VL))
-                u = scratch_buffer((TM, TN, VL))
-                for mo in range(rows(task, n) // TM):
-                    acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN), mo == 0)
-                    acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN), mo == 0)
-                    store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
-                for mt in range(rows(task, n) % TM):
-                    acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
-                             gate_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
-                    acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
-                             up_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
-                    store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+    @T.macro
+    def body(x, W, act, n):
+        for task in T.parallel((n + MB - 1) // MB * NT):
+            g = scratch_buffer((TM, TN, VL))
+            u = scratch_buffer((TM, TN, VL))
+            for mo in range(rows(task, n) // TM):
+                acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN), mo == 0)
+                acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN), mo == 0)
+                store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
+            for mt in range(rows(task, n) % TM):
+                acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
+                         gate_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
+                acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
+                         up_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
+                store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+
+    func = swiglu_matmul_func(body, I, K, wdt, n)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")

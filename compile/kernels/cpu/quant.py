@@ -29,7 +29,7 @@ from tvm.script import tirx as T
 from ...formats import FORMATS, QBLOCK
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
-from ..signatures import gemv_func, matmul_func
+from ..signatures import gemv_func, matmul_func, swiglu_matmul_func
 from .fastmath import silu_mul
 from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros, swiglu_store
 from .linear import (DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro,
@@ -61,27 +61,27 @@ def _row_step(fmt, K: int) -> tuple[int, int, int]:
     return RB, U, -(-U * QBLOCK * RB // K)
 
 
-def _x_quantizer(K: int, wide: bool = False):
-    """``quantize(xs, xq, xd, xsum)``: xq (K,) int8 (``wide``: int16), xd (K/32,) the blocks'
-    dx = max|x| / 127 (32767), xsum (K/32,) ``dx * sum(xq)`` over each block; xs (1, K)
-    float32."""
+def _row_quantizer(K: int, wide: bool = False):
+    """``quantize(xs, m, xq, xd, xsum)``: row m of xs (n, K) float32 quantized per 32-block to
+    ``xq[m * K:]`` int8 (``wide``: int16), ``xd[m * NB:]`` the blocks' dx = max|x| / 127
+    (32767), ``xsum[m * NB:]`` ``dx * sum(xq)`` over each block."""
     NB = K // QBLOCK
     QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
 
     @T.macro
-    def quantize(xs, xq, xd, xsum):
+    def quantize(xs, m, xq, xd, xsum):
         st = T.decl_buffer((3,), "float32")  # max |x|, 1 / dx, sum of xq
         for b in range(NB):
             st[0] = T.float32(0)
             for j in range(QBLOCK):
-                st[0] = T.max(st[0], T.fabs(xs[0, b * QBLOCK + j]))
-            xd[b] = st[0] / T.float32(QMAX)
+                st[0] = T.max(st[0], T.fabs(xs[m, b * QBLOCK + j]))
+            xd[m * NB + b] = st[0] / T.float32(QMAX)
             st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0], T.float32(0))
             st[2] = T.float32(0)
             for j in range(QBLOCK):
-                xq[b * QBLOCK + j] = T.Cast(QT, T.nearbyint(xs[0, b * QBLOCK + j] * st[1]))
-                st[2] = st[2] + T.Cast("float32", xq[b * QBLOCK + j])
-            xsum[b] = st[2] * xd[b]
+                xq[m * K + b * QBLOCK + j] = T.Cast(QT, T.nearbyint(xs[m, b * QBLOCK + j] * st[1]))
+                st[2] = st[2] + T.Cast("float32", xq[m * K + b * QBLOCK + j])
+            xsum[m * NB + b] = st[2] * xd[m * NB + b]
 
     return quantize
 
@@ -130,16 +130,16 @@ def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False):
     """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (to int8;
     ``wide``: int16)."""
     normalize = _macros(K, eps, "float32")[0]
-    quantize = _x_quantizer(K, wide)
+    quantize = _row_quantizer(K, wide)
 
     @T.macro
     def prepare(x, g, xq, xd, xsum):
         if norm:
             xn = T.decl_buffer((1, K), "float32")
             normalize(x, g, xn)
-            quantize(xn, xq, xd, xsum)
+            quantize(xn, 0, xq, xd, xsum)
         else:
-            quantize(x, xq, xd, xsum)
+            quantize(x, 0, xq, xd, xsum)
 
     return prepare
 
@@ -313,27 +313,26 @@ def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
 
     store = swiglu_store_macro(TN)
 
-    @T.prim_func(s_tir=True)
-    def func(var_x: T.handle, W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), var_act: T.handle):
-        x = T.match_buffer(var_x, (n, K), "float32")
-        act = T.match_buffer(var_act, (n, I), "float32")
-        with T.sblock("root"):
-            Wi, Wh = as_int8(W), as_f16(W)
-            for task in T.parallel((n + MB - 1) // MB * NT):
-                wt = T.decl_buffer((2 * TN, K), "float32", scope="local")  # gate rows, up rows
-                for c in range(TN):
-                    decode(W, Wi, Wh, wt, c, gate_row(co(task) * TN) + c)
-                    decode(W, Wi, Wh, wt, TN + c, up_row(co(task) * TN) + c)
-                g = scratch_buffer((TM, TN, VL))
-                u = scratch_buffer((TM, TN, VL))
-                for mo in range(rows(task, n) // TM):
-                    acc_main(x, wt, g, m0(task) + mo * TM, 0)
-                    acc_main(x, wt, u, m0(task) + mo * TM, TN)
-                    store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
-                for mt in range(rows(task, n) % TM):
-                    acc_tail(x, wt, g, m0(task) + rows(task, n) // TM * TM + mt, 0)
-                    acc_tail(x, wt, u, m0(task) + rows(task, n) // TM * TM + mt, TN)
-                    store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+    @T.macro
+    def body(x, W, act, n):
+        Wi, Wh = as_int8(W), as_f16(W)
+        for task in T.parallel((n + MB - 1) // MB * NT):
+            wt = T.decl_buffer((2 * TN, K), "float32", scope="local")  # gate rows, up rows
+            for c in range(TN):
+                decode(W, Wi, Wh, wt, c, gate_row(co(task) * TN) + c)
+                decode(W, Wi, Wh, wt, TN + c, up_row(co(task) * TN) + c)
+            g = scratch_buffer((TM, TN, VL))
+            u = scratch_buffer((TM, TN, VL))
+            for mo in range(rows(task, n) // TM):
+                acc_main(x, wt, g, m0(task) + mo * TM, 0)
+                acc_main(x, wt, u, m0(task) + mo * TM, TN)
+                store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
+            for mt in range(rows(task, n) % TM):
+                acc_tail(x, wt, g, m0(task) + rows(task, n) // TM * TM + mt, 0)
+                acc_tail(x, wt, u, m0(task) + rows(task, n) // TM * TM + mt, TN)
+                store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+
+    func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{wfmt}{_tile_tag(tile)}")
 
@@ -370,29 +369,14 @@ TT = 8
 
 
 def _rows_quantizer(K: int, wide: bool):
-    """``quantize_rows(x, xq, xd, xsum, n)``: every row of x (n, K) float32 quantized as the
-    decode GEMV quantizes its vector (per 32-block, to int8; ``wide``: int16, the LM head's),
-    rows in parallel; row m at ``xq[m * K]``, ``xd[m * NB]``, ``xsum[m * NB]``."""
-    NB = K // QBLOCK
-    QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
+    """``quantize_rows(x, xq, xd, xsum, n)``: every row of x (n, K) quantized as the decode
+    GEMV quantizes its vector (``_row_quantizer``), rows in parallel."""
+    quantize = _row_quantizer(K, wide)
 
     @T.macro
     def quantize_rows(x, xq, xd, xsum, n):
         for m in T.parallel(n):
-            st = T.decl_buffer((3,), "float32")  # max |x|, 1 / dx, sum of xq
-            for b in range(NB):
-                st[0] = T.float32(0)
-                for j in range(QBLOCK):
-                    st[0] = T.max(st[0], T.fabs(x[m, b * QBLOCK + j]))
-                xd[m * NB + b] = st[0] / T.float32(QMAX)
-                st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0],
-                                       T.float32(0))
-                st[2] = T.float32(0)
-                for j in range(QBLOCK):
-                    xq[m * K + b * QBLOCK + j] = T.Cast(
-                        QT, T.nearbyint(x[m, b * QBLOCK + j] * st[1]))
-                    st[2] = st[2] + T.Cast("float32", xq[m * K + b * QBLOCK + j])
-                xsum[m * NB + b] = st[2] * xd[m * NB + b]
+            quantize(x, m, xq, xd, xsum)
 
     return quantize_rows
 
@@ -559,21 +543,20 @@ def linear_swiglu_int8(I: int, K: int, wfmt: str):
     run_gate = _token_tiles(fmt, K, False, finish_gate)
     run_up = _token_tiles(fmt, K, False, finish_up)
 
-    @T.prim_func(s_tir=True)
-    def func(var_x: T.handle, W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), var_act: T.handle):
-        x = T.match_buffer(var_x, (n, K), "float32")
-        act = T.match_buffer(var_act, (n, I), "float32")
-        with T.sblock("root"):
-            Wi, Wh = as_int8(W), as_f16(W)
-            xq, xd, xsum = _x_scratch(K, n, False)
-            quantize_rows(x, xq, xd, xsum, n)
-            for task in T.parallel((n + MB - 1) // MB * I):
-                Y = T.decl_buffer((TT,), "float32")
-                G = T.decl_buffer((MB,), "float32")
-                run_gate((W, Wi, Wh), gate_row(co(task)), xq, xd, xsum, m0(task), rows(task, n),
-                         Y, G, m0(task), act, co(task))
-                run_up((W, Wi, Wh), up_row(co(task)), xq, xd, xsum, m0(task), rows(task, n), Y,
-                       G, m0(task), act, co(task))
+    @T.macro
+    def body(x, W, act, n):
+        Wi, Wh = as_int8(W), as_f16(W)
+        xq, xd, xsum = _x_scratch(K, n, False)
+        quantize_rows(x, xq, xd, xsum, n)
+        for task in T.parallel((n + MB - 1) // MB * I):
+            Y = T.decl_buffer((TT,), "float32")
+            G = T.decl_buffer((MB,), "float32")
+            run_gate((W, Wi, Wh), gate_row(co(task)), xq, xd, xsum, m0(task), rows(task, n),
+                     Y, G, m0(task), act, co(task))
+            run_up((W, Wi, Wh), up_row(co(task)), xq, xd, xsum, m0(task), rows(task, n), Y,
+                   G, m0(task), act, co(task))
+
+    func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
 
     return finalize(func, f"matmul_i8_swiglu_{I}x{K}_{wfmt}")
 
