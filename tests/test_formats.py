@@ -243,16 +243,21 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_quantized_prefill_swiglu(fmt):
-    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 5
+@pytest.mark.parametrize("int8", [False, True], ids=["float_tile", "int8_tile"])
+def test_quantized_prefill_swiglu(fmt, int8):
+    """The float tile over decoded weights (5 tokens) and the int8 tile (7: tiles of 4, 2, 1;
+    x quantized per row as the decode GEMV's)."""
+    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 7 if int8 else 5
     rng = np.random.default_rng(7)
     gate, gd = _weights(fmt, I, K, 8)
     up, ud = _weights(fmt, I, K, 9)
     x = rng.standard_normal((n, K)).astype(np.float32)
-    a, b = x @ gd.T, x @ ud.T
+    xs = np.stack([_x_as_quantized(r) for r in x]).astype(np.float64) if int8 else x
+    a, b = xs @ gd.T, xs @ ud.T
     act = _t(np.zeros((n, I), np.float32))
-    _compiled(quant.linear_swiglu, I, K, fmt, TILES[False]["swiglu"])(
-        _t(x), _t(interleave_gate_up(gate, up)), act)
+    kernel = (_compiled(quant.linear_swiglu_int8, I, K, fmt) if int8 else
+              _compiled(quant.linear_swiglu, I, K, fmt, TILES[False]["swiglu"]))
+    kernel(_t(x), _t(interleave_gate_up(gate, up)), act)
     _close(act.numpy(), a / (1 + np.exp(-a)) * b)
 
 
@@ -292,20 +297,6 @@ def test_prefill_of_long_rows_takes_the_int8_tile():
         quant.linear_swiglu_int8(32, long_k, "q4_k"))
     for func in (quant.linear(64, short_k, "q4_0"), quant.linear_swiglu(32, short_k, "q4_k")):
         assert "_i8" not in name(func)
-
-
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_int8_tile_swiglu(fmt):
-    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 7
-    rng = np.random.default_rng(9)
-    gate, gd = _weights(fmt, I, K, 10)
-    up, ud = _weights(fmt, I, K, 11)
-    x = rng.standard_normal((n, K)).astype(np.float32)
-    xq = np.stack([_x_as_quantized(r) for r in x]).astype(np.float64)
-    a, b = xq @ gd.T, xq @ ud.T
-    act = _t(np.zeros((n, I), np.float32))
-    _compiled(quant.linear_swiglu_int8, I, K, fmt)(_t(x), _t(interleave_gate_up(gate, up)), act)
-    _close(act.numpy(), a / (1 + np.exp(-a)) * b)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
