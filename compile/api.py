@@ -18,12 +18,11 @@ from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
 from . import cache
 from .build import build_into, make_spec, manifest_for
-from .kernels.registry import kernels_for
+from .kernels.registry import kernels_for, no_quantized_kernels
 from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
 from .tokenizer_export import export_tokenizer
-from .kernels.cpu import has_avx2
 from .weights import ModelSource, resolve_formats, resolve_model
 
 log = logging.getLogger(__name__)
@@ -198,8 +197,8 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
         raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
                           "batched decode kernels (its device code has no int64 buffers); "
                           "build it with --batch-buckets none")
-    quantized_ok = tspec.kind == "llvm" and has_avx2(tspec.target)
-    base, formats = resolve_formats(source, weight_dtype, quantized_ok=quantized_ok)
+    base, formats = resolve_formats(source, weight_dtype,
+                                    no_quantized=no_quantized_kernels(tspec.kind, tspec.target))
     return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=base,
                      batch_buckets=batch_buckets, weight_formats=formats)

@@ -2,8 +2,9 @@
 
 A format knows how a ``[N, K]`` matrix is stored in the weight pack (``storage``), its bytes per
 weight, how to make it from float32 (``quantize``) and read it back (``dequantize``), and the
-pieces the CPU kernels build on (``dequant_block``, ``int_dot``: TIR, see
-``kernels/cpu/quant.py``).  The kernels, the parameter layout, the weight loader and the
+pieces the kernels build on: vector TIR for the CPU (``dequant16``, ``int_dot``, see
+``kernels/cpu/quant.py``) and portable scalar TIR for the GPUs (``unit_scale``, ``quant``,
+``weight``, see ``kernels/gpu/gemv.py``).  The kernels, the parameter layout, the weight loader and the
 quantizer look formats up here by name; adding a format is adding an object to ``FORMATS``.
 
 Quantized formats keep GGUF's block layout byte for byte: each matrix row is its blocks laid
@@ -123,6 +124,28 @@ class WeightFormat:
         return _madd16(self.wide16(Wv, c, b, 0), x16.vload([x0], "int16x16")) + _madd16(
             self.wide16(Wv, c, b, 1), x16.vload([x0 + 16], "int16x16"))
 
+    # Portable scalar TIR over ``W8``, the stored matrix as uint8 (its only view: no vector
+    # intrinsics, no float16 loads, which pocl's OpenCL lacks).  Weight ``j`` (0..31) of unit
+    # ``b`` of row ``c`` is ``unit_scale(.., j // 16) * quant(.., j) + unit_offset(..)``; every
+    # index may be an expression.
+    def unit_scale(self, W8, c, b, half):
+        """float32: the scale of the unit's weights ``[16 half, 16 half + 16)``."""
+        return _f16_scalar(W8, c, b * self.block_bytes)
+
+    def unit_offset(self, W8, c, b):
+        """float32 offset added to every weight of the unit (``has_offset`` formats)."""
+        raise NotImplementedError
+
+    def quant(self, W8, c, b, j):
+        """int32: the unit's quant ``j``."""
+        raise NotImplementedError
+
+    def weight(self, W8, c, k):
+        """float32: weight ``k`` of row ``c``, decoded."""
+        b, j = k // QBLOCK, k % QBLOCK
+        w = self.unit_scale(W8, c, b, j // 16) * T.Cast("float32", self.quant(W8, c, b, j))
+        return w + self.unit_offset(W8, c, b) if self.has_offset else w
+
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     """(n, 1) float32 -> (n, 2) uint8 of their float16 values."""
@@ -137,6 +160,36 @@ def _f16_at(blocks: np.ndarray, offset: int) -> np.ndarray:
 def _inverse(d: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _byte(W8, c, byte):
+    return T.Cast("int32", W8[c, byte])
+
+
+def _f16_scalar(W8, c, byte):
+    """float32 of the little-endian float16 at ``byte`` of row ``c``, decoded from its bits:
+    normal numbers rebias the exponent (15 -> 127), subnormals are m * 2^-24 (float(m) with 24
+    taken off its exponent: GPU source prints float constants to 7 digits, so 2^-24 cannot be
+    one), inf / nan keep exponent 255."""
+    h = T.bitwise_or(_byte(W8, c, byte), T.shift_left(_byte(W8, c, byte + 1), 8))
+    e, m = T.bitwise_and(T.shift_right(h, 10), 31), T.bitwise_and(h, 1023)
+    sign = T.shift_left(T.Cast("uint32", T.shift_right(h, 15)), T.uint32(31))
+    bits = T.bitwise_or(sign, T.Cast("uint32", T.bitwise_or(
+        T.shift_left(T.if_then_else(e == 31, 255, e + 112), 23), T.shift_left(m, 13))))
+    tiny = T.reinterpret("float32", T.reinterpret("uint32", T.Cast("float32", m))
+                         - T.uint32(24 << 23))
+    return T.if_then_else(e == 0, T.if_then_else(m == 0, T.float32(0), T.if_then_else(
+        h >= 32768, -tiny, tiny)), T.reinterpret("float32", bits))
+
+
+def _i8_scalar(W8, c, byte):
+    """int32 of the int8 stored at ``byte``."""
+    return T.bitwise_xor(_byte(W8, c, byte), 128) - 128
+
+
+def _nibble_scalar(W8, c, byte0, j):
+    """Quant ``j`` of 16 packed bytes at ``byte0``: low nibbles are 0-15, high 16-31."""
+    return T.bitwise_and(T.shift_right(_byte(W8, c, byte0 + j % 16), (j // 16) * 4), 15)
 
 
 def _nibbles(blocks_qs: np.ndarray) -> np.ndarray:
@@ -223,6 +276,9 @@ class _Q8_0(WeightFormat):
     def wide16(self, Wv, c, b, half):
         return T.Cast("int16x16", Wv[1].vload([c, b * 34 + 2 + 16 * half], "int8x16"))
 
+    def quant(self, W8, c, b, j):
+        return _i8_scalar(W8, c, b * 34 + 2 + j)
+
 
 class _Q4_0(WeightFormat):
     """d = (the signed w of largest magnitude) / -8, q = trunc(w / d + 8.5) clipped to 0..15;
@@ -253,6 +309,12 @@ class _Q4_0(WeightFormat):
     def offset(self, Wv, c, b):
         return self.scale(Wv, c, b) * T.float32(-8)
 
+    def unit_offset(self, W8, c, b):
+        return self.unit_scale(W8, c, b, 0) * T.float32(-8)
+
+    def quant(self, W8, c, b, j):
+        return _nibble_scalar(W8, c, b * 18 + 2, j)
+
 
 class _Q4_1(WeightFormat):
     """d = (max - min) / 15, m = min, q = trunc((w - m) / d + 0.5) clipped to 0..15;
@@ -282,6 +344,12 @@ class _Q4_1(WeightFormat):
 
     def offset(self, Wv, c, b):
         return T.Cast("float32", Wv[2][c, b * 10 + 1])
+
+    def unit_offset(self, W8, c, b):
+        return _f16_scalar(W8, c, b * 20 + 2)
+
+    def quant(self, W8, c, b, j):
+        return _nibble_scalar(W8, c, b * 20 + 4, j)
 
 
 # ------------------------------------------------------------------------------ k-quants
@@ -384,9 +452,9 @@ class _KMin(WeightFormat):
     def _where(self, b):
         return (b // 8) * self.block_bytes, b % 8
 
-    def _scale_min_byte(self, Wv, c, base, s, want_min: bool):
+    def _scale_min_byte(self, W8, c, base, s, want_min: bool):
         def byte(j):
-            return T.Cast("int32", Wv[0][c, base + 4 + j])
+            return _byte(W8, c, base + 4 + j)
         if want_min:
             low = T.bitwise_and(byte(s + 4), 63)
             high = T.bitwise_or(T.shift_right(byte(s + 4), 4),
@@ -421,12 +489,12 @@ class _KMin(WeightFormat):
     def scale(self, Wv, c, b):
         base, s = self._where(b)
         return (T.Cast("float32", Wv[2][c, base // 2])
-                * self._scale_min_byte(Wv, c, base, s, False))
+                * self._scale_min_byte(Wv[0], c, base, s, False))
 
     def offset(self, Wv, c, b):
         base, s = self._where(b)
         return -(T.Cast("float32", Wv[2][c, base // 2 + 1])
-                 * self._scale_min_byte(Wv, c, base, s, True))
+                 * self._scale_min_byte(Wv[0], c, base, s, True))
 
     def _quants16(self, Wv, c, b, half: int, lanes: int = 16):
         """uint8 x ``lanes``: the unit's quants from ``16 half`` on."""
@@ -452,6 +520,23 @@ class _KMin(WeightFormat):
 
     def wide16(self, Wv, c, b, half):
         return T.Cast("int16x16", self._quants16(Wv, c, b, half))
+
+    def unit_scale(self, W8, c, b, half):
+        base, s = self._where(b)
+        return _f16_scalar(W8, c, base) * self._scale_min_byte(W8, c, base, s, False)
+
+    def unit_offset(self, W8, c, b):
+        base, s = self._where(b)
+        return -(_f16_scalar(W8, c, base + 2) * self._scale_min_byte(W8, c, base, s, True))
+
+    def quant(self, W8, c, b, j):
+        base, s = self._where(b)
+        q = T.bitwise_and(T.shift_right(_byte(W8, c, base + self._qs + (s // 2) * 32 + j),
+                                        (s % 2) * 4), 15)
+        if self.bits == 5:
+            q = T.bitwise_or(q, T.shift_left(
+                T.bitwise_and(T.shift_right(_byte(W8, c, base + 16 + j), s), 1), 4))
+        return q
 
 
 class _Q4_K(_KMin):
@@ -538,6 +623,19 @@ class _Q6_K(WeightFormat):
             return _madd16(q, x16.vload([x0 + 16 * h], "int16x16")) * T.broadcast(
                 T.Cast("int32", self._sub_scale(Wv, c, b, h)), 8)
         return part(0) + part(1)
+
+    def unit_scale(self, W8, c, b, half):
+        base = (b // 8) * 210
+        return _f16_scalar(W8, c, base + 208) * T.Cast(
+            "float32", _i8_scalar(W8, c, base + 192 + (b % 8) * 2 + half))
+
+    def quant(self, W8, c, b, j):
+        base, s = (b // 8) * 210, b % 8
+        h, p = s // 4, s % 4
+        lo = T.bitwise_and(T.shift_right(_byte(W8, c, base + h * 64 + (p % 2) * 32 + j),
+                                         (p // 2) * 4), 15)
+        hi = T.bitwise_and(T.shift_right(_byte(W8, c, base + 128 + h * 32 + j), p * 2), 3)
+        return T.bitwise_or(lo, T.shift_left(hi, 4)) - 32
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (

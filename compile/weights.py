@@ -601,7 +601,7 @@ def _auto_formats(source: ModelSource, quantized_ok: bool) -> dict[str, str]:
     return chosen
 
 
-def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
+def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None = None
                     ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """``(weight_dtype, weight_formats)`` for ``policy``: the format of most matrices and the
     ``(name, format)`` exceptions.
@@ -613,21 +613,20 @@ def resolve_formats(source: ModelSource, policy: str, quantized_ok: bool = True
     - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
       parts differ in type, or of a type without kernels here, becomes float16 with a
       warning naming it); float32 for HF checkpoints and presets.
-    ``quantized_ok`` False (a target without quantized kernels): "auto" dequantizes to
-    float16, an explicit quantized format is a :class:`ConfigError`.
+    ``no_quantized`` (why the target has no quantized kernels, or None): "auto" then
+    dequantizes to float16 and an explicit quantized format is a :class:`ConfigError`.
     """
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
-    if policy in QUANT_FORMATS and not quantized_ok:
-        raise ConfigError(f"weight_dtype={policy!r}: quantized weights run on x86 CPUs with "
-                          "AVX2 (the llvm target) only so far; use --weight-dtype float16 on "
-                          "this target")
+    if policy in QUANT_FORMATS and no_quantized:
+        raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; use --weight-dtype "
+                          "float16 on this target")
     shapes = matrix_shapes(source.config)
     head = "embed" if source.config.tie_word_embeddings else "lm_head"
     if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
-        chosen = _auto_formats(source, quantized_ok)
+        chosen = _auto_formats(source, no_quantized is None)
     else:
         chosen = {name: policy for name in shapes}
         if head in chosen and policy != "q8_0":

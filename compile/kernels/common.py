@@ -28,7 +28,7 @@ def pick_tile(n: int, candidates=(8, 4, 2, 1)) -> int:
 
 
 def dtype_tag(dtype: str) -> str:
-    return {"float32": "f32", "float16": "f16"}[dtype]
+    return {"float32": "f32", "float16": "f16"}.get(dtype, dtype)  # a quantized format: its name
 
 
 def cached(factory):

@@ -49,6 +49,26 @@ class KernelSet:
 NO_INT64_BUFFERS = ("webgpu",)
 
 
+# GPU targets whose device code reads the quantized formats' bytes (uint8 buffers): WGSL has no
+# 8-bit type and SPIR-V needs an 8-bit storage extension, so webgpu / vulkan dequantize.
+BYTE_BUFFER_GPUS = ("cuda", "metal", "opencl")
+
+
+def no_quantized_kernels(target_kind: str, target=None) -> str | None:
+    """Why a target cannot run quantized weights natively (None: it can)."""
+    if target_kind == "llvm":
+        from .cpu import has_avx2
+
+        if target is None or has_avx2(target):
+            return None
+        return ("the quantized CPU kernels need x86 AVX2, which this llvm target's CPU "
+                f"({target.attrs.get('mcpu', 'default')}) lacks")
+    if target_kind in BYTE_BUFFER_GPUS:
+        return None
+    return (f"{target_kind}'s device code has no 8-bit buffers for the packed blocks (quantized "
+            f"weights run on llvm with AVX2 and on {', '.join(BYTE_BUFFER_GPUS)})")
+
+
 def kernels_for(target_kind: str, target=None) -> KernelSet:
     """CPU kernels for llvm, thread-bound GPU kernels for every GPU target.  ``target`` (a
     ``tvm.target.Target``) lets the CPU set fit its register tiles to the target's vector

@@ -8,6 +8,12 @@ in a cross-thread reduction (warp shuffles on CUDA / Metal).  The optional RMSNo
 on the CPU: the block's threads share the sum of squares of x (each reads K / (32 R) of it),
 and the scale is applied to the reduced dot product.
 
+Quantized weights (``formats.py``): lane ``l`` takes whole 32-weight units ``ko * 32 + l``
+(one unit's bytes are contiguous, and a warp's 32 units are one contiguous run), keeps the
+unit's 32 inputs in registers and, per row, adds ``scale * sum x q (+ offset * sum x)`` for
+each 16-weight half, the quants decoded from the stored bytes (``WeightFormat.quant``); x
+stays float32.
+
 Buffers and signatures are the CPU ones (``gemv.py``):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
   SwiGLU: W (2I, K) gate / up rows in alternating runs -> act (1, I) = silu(gate) * up
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS, QBLOCK
 from ...params import GATE_UP_ROWS
 from ..common import cached, dtype_tag, gate_up_rows, pick_tile
 from ..signatures import gemv_func
@@ -34,9 +41,11 @@ def _rows_per_warp(rows: int) -> int:
     return 1
 
 
-def _macros(K: int, TN: int, NP: int, norm: bool):
-    """Macros over a warp's rows; ``NP`` partial sums per lane (TN, or 2 TN for SwiGLU)."""
-    VW = pick_tile(K, (4, 2, 1))
+def _macros(K: int, TN: int, NP: int, norm: bool, wdt: str):
+    """Macros over a warp's rows; ``NP`` partial sums per lane (TN, or 2 TN for SwiGLU).
+    ``VW``: the lane's x registers (a quantized format's: one unit)."""
+    fmt = FORMATS[wdt]
+    VW = QBLOCK if fmt.quantized else pick_tile(K, (4, 2, 1))
     KO = K // (WARP * VW)  # full coalesced steps
     K0 = KO * WARP * VW
     KT = -(-(K - K0) // WARP)  # tail steps, one element per lane
@@ -77,6 +86,35 @@ def _macros(K: int, TN: int, NP: int, norm: bool):
                     part[p0 + r] = part[p0 + r] + xv[0] * T.Cast(
                         "float32", W[row0 + r, K0 + kt * WARP + tx])
 
+    U = K // QBLOCK
+    UO = -(-U // WARP)
+
+    @T.macro
+    def dot_rows_quant(x, g, W, part, xv, wv, p0, row0, tx):
+        """``dot_rows`` over quantized W: lane tx takes units ``uo * 32 + tx``; ``wv`` holds
+        the half's dot product and the unit's sum of x."""
+        for r in range(TN):
+            part[p0 + r] = T.float32(0)
+        for uo in range(UO):
+            if uo * WARP + tx < U:
+                wv[1] = T.float32(0)
+                for v in T.unroll(QBLOCK):
+                    xv[v] = x[0, (uo * WARP + tx) * QBLOCK + v]
+                    if norm:
+                        xv[v] = xv[v] * g[(uo * WARP + tx) * QBLOCK + v]
+                    wv[1] = wv[1] + xv[v]
+                for r in T.unroll(TN):
+                    for h in T.unroll(2):
+                        wv[0] = T.float32(0)
+                        for v in T.unroll(16):
+                            wv[0] = wv[0] + xv[16 * h + v] * T.Cast("float32", fmt.quant(
+                                W, row0 + r, uo * WARP + tx, 16 * h + v))
+                        part[p0 + r] = part[p0 + r] + wv[0] * fmt.unit_scale(
+                            W, row0 + r, uo * WARP + tx, h)
+                    if fmt.has_offset:
+                        part[p0 + r] = part[p0 + r] + wv[1] * fmt.unit_offset(
+                            W, row0 + r, uo * WARP + tx)
+
     @T.macro
     def warp_sums(part, rs, p, ty, tx):
         """rs[ty, p] = sum over the warp's lanes of part[p] (cross-thread reduction)."""
@@ -98,7 +136,18 @@ def _macros(K: int, TN: int, NP: int, norm: bool):
             st[0] = st[0] + rs[w, NP]
         st[0] = T.rsqrt(st[0] / T.float32(K) + T.float32(eps)) if norm else T.float32(1)
 
-    return VW, sum_squares, dot_rows, warp_sums, norm_scale
+    return (VW, sum_squares, dot_rows_quant if fmt.quantized else dot_rows, warp_sums,
+            norm_scale)
+
+
+def _local(wdt: str, VW: int) -> tuple[tuple[int], str]:
+    """(shape, dtype) of a lane's weight registers ``wv``: VW weights, or a quantized unit's
+    two float32 sums."""
+    return ((2,), "float32") if FORMATS[wdt].quantized else ((VW,), wdt)
+
+
+def _stored(wdt: str, rows: int, K: int) -> tuple[tuple[int, int], str]:
+    return FORMATS[wdt].storage(rows, K)
 
 
 @cached
@@ -107,14 +156,15 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     norm = norm_eps is not None
     TN = _rows_per_warp(N)
     assert N % TN == 0
-    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, TN, norm)
+    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, TN, norm, wdt)
+    wv_shape, wv_dtype = _local(wdt, VW)
     BLOCKS = -(-N // (R * TN))
 
     @T.macro
     def body(x, g, W, y, bias, res):
         part = T.sblock_alloc_buffer((TN + 1,), "float32", scope="local")
         xv = T.sblock_alloc_buffer((VW,), "float32", scope="local")
-        wv = T.sblock_alloc_buffer((VW,), wdt, scope="local")
+        wv = T.sblock_alloc_buffer(wv_shape, wv_dtype, scope="local")
         st = T.sblock_alloc_buffer((1,), "float32", scope="local")
         rs = T.sblock_alloc_buffer((R, TN + 1), "float32", scope="shared")
         for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
@@ -140,7 +190,8 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
                         else:
                             y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0]
 
-    func = gemv_func(body, N, K, wdt, epilogue, norm)
+    w_shape, w_dtype = _stored(wdt, N, K)
+    func = gemv_func(body, N, K, w_dtype, epilogue, norm, w_shape)
     tag = "_norm" if norm else ""
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
@@ -152,16 +203,18 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     TN = _rows_per_warp(I)
     assert GATE_UP_ROWS % TN == 0
     gate_row, up_row = gate_up_rows(I)
-    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True)
+    VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True, wdt)
+    wv_shape, wv_dtype = _local(wdt, VW)
+    w_shape, w_dtype = _stored(wdt, 2 * I, K)
     BLOCKS = -(-I // (R * TN))
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
-             W: T.Buffer((2 * I, K), wdt), act: T.Buffer((1, I), "float32")):
+             W: T.Buffer(w_shape, w_dtype), act: T.Buffer((1, I), "float32")):
         with T.sblock("root"):
             part = T.sblock_alloc_buffer((2 * TN + 1,), "float32", scope="local")
             xv = T.sblock_alloc_buffer((VW,), "float32", scope="local")
-            wv = T.sblock_alloc_buffer((VW,), wdt, scope="local")
+            wv = T.sblock_alloc_buffer(wv_shape, wv_dtype, scope="local")
             st = T.sblock_alloc_buffer((1,), "float32", scope="local")
             rs = T.sblock_alloc_buffer((R, 2 * TN + 1), "float32", scope="shared")
             for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):

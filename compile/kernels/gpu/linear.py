@@ -7,6 +7,10 @@ micro-tile in registers.  Tokens beyond ``n``, columns beyond ``N`` and k beyond
 zero, so any shape works; shared tiles have static sizes, only the grid's token dimension is
 symbolic.  The SwiGLU variant stages the gate and the up tile and keeps two accumulators.
 
+Quantized weights (``formats.py``) are decoded element by element as the W tile is staged
+(``WeightFormat.weight``: the stored bytes, no float16 loads), so the tile and its arithmetic
+are the float ones.
+
 Buffers (as the CPU ``linear.py``; x and y float32, W in the weight dtype, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
   SwiGLU: W (2I, K) gate / up rows in alternating runs (``params.gate_up_row``) -> act (n, I)
@@ -16,8 +20,9 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ..common import EPILOGUES, cached, dtype_tag, gate_up_rows, token_dim
-from ..signatures import matmul_func
+from ..signatures import matmul_func, swiglu_matmul_func
 from .common import finalize
 
 TX, TY = 16, 16  # threads: columns x tokens
@@ -33,6 +38,10 @@ def _same_row(c):
 
 def _macros(K: int, wdt: str):
     KB = -(-K // BK)
+    fmt = FORMATS[wdt]
+
+    def weight(W, c, k):
+        return fmt.weight(W, c, k) if fmt.quantized else T.Cast("float32", W[c, k])
 
     @T.macro
     def load_x(x, xs, n, m0, kb, t):
@@ -49,8 +58,8 @@ def _macros(K: int, wdt: str):
         """ws[c, kk] = W[w_row(c0 + c), kb * BK + kk] as float32 (0 past ``rows`` or K)."""
         for it in range(BN * BK // LOADS):
             if c0 + (it * LOADS + t) // BK < rows and kb * BK + (it * LOADS + t) % BK < K:
-                ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.Cast("float32", W[
-                    w_row(c0 + (it * LOADS + t) // BK), kb * BK + (it * LOADS + t) % BK])
+                ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = weight(
+                    W, w_row(c0 + (it * LOADS + t) // BK), kb * BK + (it * LOADS + t) % BK)
             else:
                 ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.float32(0)
 
@@ -101,7 +110,8 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none"):
                                 else:
                                     y[by * BM + ty + TY * i, bx * BN + tx + TX * j] = acc[i, j]
 
-    func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
+    w_shape, w_dtype = FORMATS[wdt].storage(N, K)
+    func = matmul_func(body, N, K, w_dtype, epilogue, token_dim(None), w_shape)
     return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
@@ -112,36 +122,34 @@ def linear_swiglu(I: int, K: int, wdt: str):
     gate_row, up_row = gate_up_rows(I)
     KB, load_x, load_w, mma = _macros(K, wdt)
     NBLK = -(-I // BN)
-    n = token_dim(None)
 
-    @T.prim_func(s_tir=True)
-    def func(var_x: T.handle, W: T.Buffer((2 * I, K), wdt), var_act: T.handle):
-        x = T.match_buffer(var_x, (n, K), "float32")
-        act = T.match_buffer(var_act, (n, I), "float32")
-        with T.sblock("root"):
-            xs = T.sblock_alloc_buffer((BM * BKP,), "float32", scope="shared")
-            wg = T.sblock_alloc_buffer((BN * BKP,), "float32", scope="shared")
-            wu = T.sblock_alloc_buffer((BN * BKP,), "float32", scope="shared")
-            ag = T.sblock_alloc_buffer((MI, NJ), "float32", scope="local")
-            au = T.sblock_alloc_buffer((MI, NJ), "float32", scope="local")
-            for by in T.thread_binding((n + BM - 1) // BM, thread="blockIdx.y"):
-                for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
-                    for ty in T.thread_binding(TY, thread="threadIdx.y"):
-                        for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                            for i, j in T.grid(MI, NJ):
-                                ag[i, j] = T.float32(0)
-                                au[i, j] = T.float32(0)
-                            for kb in range(KB):
-                                load_x(x, xs, n, by * BM, kb, ty * TX + tx)
-                                load_w(W, wg, I, bx * BN, kb, ty * TX + tx, gate_row)
-                                load_w(W, wu, I, bx * BN, kb, ty * TX + tx, up_row)
-                                T.tvm_storage_sync("shared")
-                                mma(xs, wg, ag, ty, tx)
-                                mma(xs, wu, au, ty, tx)
-                                T.tvm_storage_sync("shared")
-                            for i, j in T.grid(MI, NJ):
-                                if by * BM + ty + TY * i < n and bx * BN + tx + TX * j < I:
-                                    act[by * BM + ty + TY * i, bx * BN + tx + TX * j] = (
-                                        ag[i, j] / (T.float32(1) + T.exp(-ag[i, j])) * au[i, j])
+    @T.macro
+    def body(x, W, act, n):
+        xs = T.sblock_alloc_buffer((BM * BKP,), "float32", scope="shared")
+        wg = T.sblock_alloc_buffer((BN * BKP,), "float32", scope="shared")
+        wu = T.sblock_alloc_buffer((BN * BKP,), "float32", scope="shared")
+        ag = T.sblock_alloc_buffer((MI, NJ), "float32", scope="local")
+        au = T.sblock_alloc_buffer((MI, NJ), "float32", scope="local")
+        for by in T.thread_binding((n + BM - 1) // BM, thread="blockIdx.y"):
+            for bx in T.thread_binding(NBLK, thread="blockIdx.x"):
+                for ty in T.thread_binding(TY, thread="threadIdx.y"):
+                    for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                        for i, j in T.grid(MI, NJ):
+                            ag[i, j] = T.float32(0)
+                            au[i, j] = T.float32(0)
+                        for kb in range(KB):
+                            load_x(x, xs, n, by * BM, kb, ty * TX + tx)
+                            load_w(W, wg, I, bx * BN, kb, ty * TX + tx, gate_row)
+                            load_w(W, wu, I, bx * BN, kb, ty * TX + tx, up_row)
+                            T.tvm_storage_sync("shared")
+                            mma(xs, wg, ag, ty, tx)
+                            mma(xs, wu, au, ty, tx)
+                            T.tvm_storage_sync("shared")
+                        for i, j in T.grid(MI, NJ):
+                            if by * BM + ty + TY * i < n and bx * BN + tx + TX * j < I:
+                                act[by * BM + ty + TY * i, bx * BN + tx + TX * j] = (
+                                    ag[i, j] / (T.float32(1) + T.exp(-ag[i, j])) * au[i, j])
 
+    w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
+    func = swiglu_matmul_func(body, I, K, w_dtype, token_dim(None), w_shape)
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}")

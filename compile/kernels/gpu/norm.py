@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ..common import cached, dtype_tag, token_dim
 from .common import block_reduce, block_threads, finalize
 
@@ -14,9 +15,14 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     n = token_dim(n_static)
     NT = block_threads(H)
     HO = -(-H // NT)
+    fmt = FORMATS[wdt]
+    t_shape, t_dtype = fmt.storage(V, H)
+
+    def weight(table, row, k):  # a quantized row decoded from its bytes (formats.py)
+        return fmt.weight(table, row, k) if fmt.quantized else T.Cast("float32", table[row, k])
 
     @T.prim_func(s_tir=True)
-    def func(var_ids: T.handle, table: T.Buffer((V, H), wdt), var_x: T.handle):
+    def func(var_ids: T.handle, table: T.Buffer(t_shape, t_dtype), var_x: T.handle):
         ids = T.match_buffer(var_ids, (n,), "int32")
         x = T.match_buffer(var_x, (n, H), "float32")
         with T.sblock("root"):
@@ -25,8 +31,8 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
                     for ho in range(HO):
                         if ho * NT + tx < H:
                             if 0 <= ids[i] and ids[i] < V:
-                                x[i, ho * NT + tx] = T.Cast(
-                                    "float32", table[T.Cast("int64", ids[i]), ho * NT + tx])
+                                x[i, ho * NT + tx] = weight(
+                                    table, T.Cast("int64", ids[i]), ho * NT + tx)
                             else:
                                 x[i, ho * NT + tx] = T.float32(0)
 
