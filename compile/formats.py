@@ -4,8 +4,9 @@ A format knows how a ``[N, K]`` matrix is stored in the weight pack (``storage``
 weight, how to make it from float32 (``quantize``) and read it back (``dequantize``), and the
 pieces the kernels build on: vector TIR for the CPU (``dequant16``, ``int_dot``, see
 ``kernels/cpu/quant.py``) and portable scalar TIR for the GPUs (``unit_scale``, ``quant``,
-``weight``, see ``kernels/gpu/gemv.py``).  The kernels, the parameter layout, the weight loader and the
-quantizer look formats up here by name; adding a format is adding an object to ``FORMATS``.
+``weight``, see ``kernels/gpu/gemv.py``).  The kernels, the parameter layout, the weight
+loader and the quantizer look formats up here by name; adding a format is adding an object to
+``FORMATS``.
 
 Quantized formats keep GGUF's block layout byte for byte: each matrix row is its blocks laid
 end to end.  The 32-weight formats: float16 scale(s) then packed quants (``Q8_0``: d, 32 int8;

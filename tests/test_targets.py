@@ -20,6 +20,7 @@ import tvm
 
 from paged_decode.compile.api import key_of
 from paged_decode.compile.device_code import device_modules
+from paged_decode.compile.formats import FORMATS, QUANT_FORMATS
 from paged_decode.compile.kernels.registry import NO_INT64_BUFFERS, no_quantized_kernels
 from paged_decode.compile.targets import KINDS, resolve_target
 from paged_decode.runtime.artifact import load_artifact
@@ -472,8 +473,6 @@ def test_gpu_tiled_linear_on_opencl(n):
 # -- the quantized GPU kernels on OpenCL: each format's blocks decoded from their bytes ----------
 def _quantized(fmt: str, rows: int, K: int, seed: int):
     """(packed rows as stored, their float64 dequantization) of random float32 weights."""
-    from paged_decode.compile.formats import FORMATS
-
     w = np.random.default_rng(seed).standard_normal((rows, K)).astype(np.float32)
     packed = FORMATS[fmt].quantize(w)
     return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
@@ -483,12 +482,7 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, atol=QUANT_KERNEL_RTOL * np.abs(want).max(), rtol=0)
 
 
-# K: units not a multiple of a warp's 32 (a 32-weight format's K not a multiple of 256)
-QUANT_SHAPES = {"q8_0": 1312, "q4_0": 1312, "q4_1": 1312, "q4_k": 1280, "q5_k": 1280,
-                "q6_k": 1280}
-
-
-@pytest.mark.parametrize("fmt", list(QUANT_SHAPES))
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
 def test_gpu_quantized_kernels_on_opencl(fmt):
     """GEMV (fused norm + bias; residual), SwiGLU GEMV, tiled matmul and embedding over the packed
     blocks, against float64 numpy over the dequantized weights (x stays float32 on GPUs)."""
@@ -497,7 +491,8 @@ def test_gpu_quantized_kernels_on_opencl(fmt):
     from paged_decode.compile.kernels.gpu import norm as gpu_norm
     from paged_decode.compile.params import gate_up_row
 
-    N, K, n, I = 40, QUANT_SHAPES[fmt], 33, 72
+    # units per row not a multiple of a warp's 32; a 32-weight format's K not one of 256
+    N, K, n, I = 40, 1312 if FORMATS[fmt].block == 32 else 1280, 33, 72
     rng = np.random.default_rng(K)
     w, wd = _quantized(fmt, N, K, 1)
     x, g = rng.standard_normal((n, K)).astype(np.float32), rng.standard_normal(K).astype(np.float32)

@@ -102,7 +102,8 @@ def _macros(K: int, TN: int, NP: int, norm: bool, wdt: str):
                     xv[v] = x[0, (uo * WARP + tx) * QBLOCK + v]
                     if norm:
                         xv[v] = xv[v] * g[(uo * WARP + tx) * QBLOCK + v]
-                    wv[1] = wv[1] + xv[v]
+                    if fmt.has_offset:
+                        wv[1] = wv[1] + xv[v]
                 for r in T.unroll(TN):
                     for h in T.unroll(2):
                         wv[0] = T.float32(0)
@@ -146,9 +147,6 @@ def _local(wdt: str, VW: int) -> tuple[tuple[int], str]:
     return ((2,), "float32") if FORMATS[wdt].quantized else ((VW,), wdt)
 
 
-def _stored(wdt: str, rows: int, K: int) -> tuple[tuple[int, int], str]:
-    return FORMATS[wdt].storage(rows, K)
-
 
 @cached
 def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None):
@@ -190,7 +188,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
                         else:
                             y[0, (bx * R + ty) * TN + tx] = rs[ty, tx] * st[0]
 
-    w_shape, w_dtype = _stored(wdt, N, K)
+    w_shape, w_dtype = FORMATS[wdt].storage(N, K)
     func = gemv_func(body, N, K, w_dtype, epilogue, norm, w_shape)
     tag = "_norm" if norm else ""
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
@@ -205,7 +203,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
     gate_row, up_row = gate_up_rows(I)
     VW, sum_squares, dot_rows, warp_sums, norm_scale = _macros(K, TN, 2 * TN, True, wdt)
     wv_shape, wv_dtype = _local(wdt, VW)
-    w_shape, w_dtype = _stored(wdt, 2 * I, K)
+    w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
     BLOCKS = -(-I // (R * TN))
 
     @T.prim_func(s_tir=True)
