@@ -581,14 +581,16 @@ WEIGHT_POLICIES = ("auto", *FORMATS)
 K_QUANT_FALLBACK = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
 
 
-def _auto_formats(source: ModelSource, quantized_ok: bool) -> dict[str, str]:
+def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, str]:
     """A GGUF's own format per matrix parameter where it runs natively, else float16; a layer
     whose V is stored apart from Q / K in another native format keeps its rows apart
-    (``params.split_qkv``: Q4_K_M's Q6_K V in some layers)."""
-    chosen = {}
+    (``params.split_qkv``: Q4_K_M's Q6_K V in some layers).  ``no_quantized``: why the target
+    runs no quantized format (each is then dequantized, with one warning saying why)."""
+    chosen, dequantized = {}, set()
     for name, types in gguf_matrix_types(source).items():
         fmts = [by_gguf_type(t) for t in types]
-        native = all(f is not None and (quantized_ok or not f.quantized) for f in fmts)
+        dequantized.update(f.name for f in fmts if f is not None and f.quantized and no_quantized)
+        native = all(f is not None and (no_quantized is None or not f.quantized) for f in fmts)
         if name.endswith(".wqkv") and native and types[0] == types[1] != types[2]:
             layer = name[:-len("wqkv")]
             chosen[layer + "wqk"], chosen[layer + "wv"] = fmts[0].name, fmts[2].name
@@ -598,6 +600,9 @@ def _auto_formats(source: ModelSource, quantized_ok: bool) -> dict[str, str]:
             chosen[name] = "float16"
         else:
             chosen[name] = fmts[0].name if native else "float16"
+    if dequantized:
+        log.warning("%s: %s: its %s tensors are dequantized to float16", source.path,
+                    no_quantized, "/".join(sorted(dequantized)))
     return chosen
 
 
@@ -626,7 +631,7 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
-        chosen = _auto_formats(source, no_quantized is None)
+        chosen = _auto_formats(source, no_quantized)
     else:
         chosen = {name: policy for name in shapes}
         if head in chosen and policy != "q8_0":

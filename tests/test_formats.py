@@ -121,6 +121,21 @@ def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
     assert params["embed"].nbytes == cfg.vocab_size * cfg.hidden_size // 32 * 34
 
 
+def test_auto_formats_on_a_target_without_quantized_kernels(smollm_gguf, caplog):
+    """WebGPU keeps no quantized format: "auto" dequantizes SmolLM2 to float16 and says why once;
+    CUDA keeps the file's formats."""
+    from paged_decode.compile.kernels.registry import no_quantized_kernels
+    from paged_decode.compile.weights import resolve_formats, resolve_model
+
+    source = resolve_model(str(smollm_gguf))
+    with caplog.at_level("WARNING"):
+        assert resolve_formats(source, "auto", no_quantized_kernels("webgpu")) == ("float16", ())
+    (warning,) = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert "webgpu's device code has no 8-bit buffers" in warning and "q4_1/q8_0" in warning
+    assert resolve_formats(source, "auto", no_quantized_kernels("cuda")) == (
+        "q4_1", (("embed", "q8_0"),))
+
+
 # ------------------------------------------------------------------------------- kernels
 
 def _x_as_quantized(x: np.ndarray, qmax: int = 127) -> np.ndarray:
