@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from paged_decode.runtime.artifact import (buckets_arg, cli_target, compile_command, read_manifest,
                                            sha256_file)
 from paged_decode.runtime.errors import ArtifactError, ConfigError, WeightsError
@@ -199,9 +201,25 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
                           "build it with --batch-buckets none")
     base, formats = resolve_formats(source, weight_dtype,
                                     no_quantized=no_quantized_kernels(tspec.kind, tspec.target))
-    return make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
+    spec = make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=base,
                      batch_buckets=batch_buckets, weight_formats=formats)
+    if tspec.kind != "llvm":
+        _check_gpu_tensor_sizes(spec, tspec.kind)
+    return spec
+
+
+GPU_MAX_TENSOR_BYTES = 2 ** 31  # GPU kernels index a tensor with int32
+
+
+def _check_gpu_tensor_sizes(spec: BuildSpec, kind: str) -> None:
+    for p in spec.param_specs():
+        nbytes = int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize
+        if nbytes >= GPU_MAX_TENSOR_BYTES:
+            raise ConfigError(f"{p.name} ({p.format}, {nbytes / 2 ** 30:.2f} GiB) reaches 2 GiB, "
+                              f"past the int32 indices of the {kind} kernels; choose a smaller "
+                              "weight format for it (--weight-dtype q8_0 or q4_0) or the llvm "
+                              "target")
 
 
 def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:

@@ -170,8 +170,8 @@ def _byte(W8, c, byte):
 def _f16_scalar(W8, c, byte):
     """float32 of the little-endian float16 at ``byte`` of row ``c``, decoded from its bits:
     normal numbers rebias the exponent (15 -> 127), subnormals are m * 2^-24 (float(m) with 24
-    taken off its exponent: GPU source prints float constants to 7 digits, so 2^-24 cannot be
-    one), inf / nan keep exponent 255."""
+    taken off its exponent: OpenCL source prints float constants to 7 digits, so 2^-24 cannot be
+    one), zeros keep their sign, inf / nan keep exponent 255."""
     h = T.bitwise_or(_byte(W8, c, byte), T.shift_left(_byte(W8, c, byte + 1), 8))
     e, m = T.bitwise_and(T.shift_right(h, 10), 31), T.bitwise_and(h, 1023)
     sign = T.shift_left(T.Cast("uint32", T.shift_right(h, 15)), T.uint32(31))
@@ -179,8 +179,9 @@ def _f16_scalar(W8, c, byte):
         T.shift_left(T.if_then_else(e == 31, 255, e + 112), 23), T.shift_left(m, 13))))
     tiny = T.reinterpret("float32", T.reinterpret("uint32", T.Cast("float32", m))
                          - T.uint32(24 << 23))
-    return T.if_then_else(e == 0, T.if_then_else(m == 0, T.float32(0), T.if_then_else(
-        h >= 32768, -tiny, tiny)), T.reinterpret("float32", bits))
+    return T.if_then_else(e == 0, T.if_then_else(m == 0, T.reinterpret("float32", sign),
+                                                  T.if_then_else(h >= 32768, -tiny, tiny)),
+                          T.reinterpret("float32", bits))
 
 
 def _i8_scalar(W8, c, byte):

@@ -601,8 +601,8 @@ def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, st
         else:
             chosen[name] = fmts[0].name if native else "float16"
     if dequantized:
-        log.warning("%s: %s: its %s tensors are dequantized to float16", source.path,
-                    no_quantized, "/".join(sorted(dequantized)))
+        log.warning("%s: %s tensors dequantized to float16 (%s)", source.path,
+                    "/".join(sorted(dequantized)), no_quantized)
     return chosen
 
 
@@ -624,8 +624,8 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
     if policy in QUANT_FORMATS and no_quantized:
-        raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; use --weight-dtype "
-                          "float16 on this target")
+        raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; choose float16 (or "
+                          "auto, which dequantizes a GGUF's quantized tensors) on this target")
     shapes = matrix_shapes(source.config)
     head = "embed" if source.config.tie_word_embeddings else "lm_head"
     if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):

@@ -131,7 +131,7 @@ def test_auto_formats_on_a_target_without_quantized_kernels(smollm_gguf, caplog)
     with caplog.at_level("WARNING"):
         assert resolve_formats(source, "auto", no_quantized_kernels("webgpu")) == ("float16", ())
     (warning,) = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
-    assert "webgpu's device code has no 8-bit buffers" in warning and "q4_1/q8_0" in warning
+    assert "q4_1/q8_0 tensors dequantized to float16 (webgpu: WGSL has no 8-bit type" in warning
     assert resolve_formats(source, "auto", no_quantized_kernels("cuda")) == (
         "q4_1", (("embed", "q8_0"),))
 

@@ -57,11 +57,16 @@ def _build_marks(kind: str) -> list:
     return []
 
 
+def _no_quantized(kind: str) -> str | None:
+    """Why ``kind`` runs no quantized weights here (llvm: on this host's CPU)."""
+    return no_quantized_kernels(kind, resolve_target(kind).target if kind == "llvm" else None)
+
+
 def _matrix(run: bool):
     for kind in KINDS:
         marks = _build_marks(kind) + ([pytest.mark.gpu] if run and kind != "llvm" else [])
         for variant in VARIANTS:
-            if "weight_dtype" in VARIANTS[variant] and no_quantized_kernels(kind):
+            if "weight_dtype" in VARIANTS[variant] and _no_quantized(kind):
                 continue  # dequantized there (test_quantized_weights_on_a_target_without_...)
             for func in FUNCS:
                 if func.startswith("batch") and kind in NO_INT64_BUFFERS:
@@ -194,12 +199,30 @@ def test_quantized_weights_on_a_target_without_their_kernels():
     """WebGPU (no 8-bit buffers in WGSL) and Vulkan: asking for a quantized format names the
     reason and the fix; "auto" on a quantized GGUF dequantizes (test_weights covers the GGUF
     side); CUDA, Metal and OpenCL take the format."""
-    for kind in ("webgpu", "vulkan"):
-        with pytest.raises(ConfigError, match=f"{kind}'s device code has no 8-bit buffers.*"
-                                              "--weight-dtype float16"):
+    for kind, why in (("webgpu", "WGSL has no 8-bit type"), ("vulkan", "VK_KHR_8bit_storage")):
+        with pytest.raises(ConfigError, match=f"weight_dtype='q4_0': {kind}: .*{why}.*choose "
+                                              "float16"):
             key_of("tiny", target=kind, weight_dtype="q4_0", batch_buckets=())
     for kind in ("cuda", "metal", "opencl"):
         assert key_of("tiny", target=kind, weight_dtype="q4_0")["key"]["weight_dtype"] == "q4_0"
+
+
+def test_a_gpu_weight_tensor_past_int32_indices_is_refused():
+    """GPU kernels index with int32: a 2 GiB tensor (a 262144 x 2048 float32 embedding) is a
+    ConfigError naming it and the fix; in float16 it fits; the CPU takes either."""
+    import dataclasses
+
+    from paged_decode.compile.api import _check_gpu_tensor_sizes
+    from paged_decode.compile.build import make_spec
+    from paged_decode.compile.config import preset
+
+    cfg = dataclasses.replace(preset("tinyllama-1.1b"), vocab_size=262144)
+    big = make_spec(cfg, block_size=16, max_context=256, weight_dtype="float32")
+    with pytest.raises(ConfigError, match=r"embed \(float32, 2.00 GiB\) reaches 2 GiB.*cuda "
+                                          "kernels.*--weight-dtype q8_0"):
+        _check_gpu_tensor_sizes(big, "cuda")
+    _check_gpu_tensor_sizes(make_spec(cfg, block_size=16, max_context=256,
+                                      weight_dtype="float16"), "cuda")
 
 
 def test_vulkan_without_spirv_codegen_is_a_typed_error():
@@ -273,6 +296,8 @@ def test_run_matches_llvm(outputs, kind, variant, func):
     the logits agree within NATIVE_VS_DEQUANT_RTOL of the largest (the CPU's replay, a float
     prefill, likewise against its decode) and tokens are not compared."""
     device = _device(kind)
+    if "weight_dtype" in VARIANTS[variant] and _no_quantized("llvm"):
+        pytest.skip(f"no llvm reference for {variant}: {_no_quantized('llvm')}")
     got, ref = outputs(kind, variant, device), outputs("llvm", variant, tvm.cpu())
     cdt = VARIANTS[variant]["cache_dtype"]
     assert np.isfinite(got[func]).all()
@@ -482,8 +507,26 @@ def _close(got, want):
     np.testing.assert_allclose(got, want, atol=QUANT_KERNEL_RTOL * np.abs(want).max(), rtol=0)
 
 
+def _launch_cuda(func, arrays: dict, scalars: dict, grid, block) -> dict:
+    """``_launch``'s contract on a CUDA GPU through TVM's runtime (which sizes the grid)."""
+    dev = _device("cuda")
+    arch = "sm_" + dev.compute_version.replace(".", "")
+    lib = tvm.compile(func, target=tvm.target.Target({"kind": "cuda", "arch": arch},
+                                                     host={"kind": "llvm"}))
+    tensors = {k: tvm.runtime.tensor(np.ascontiguousarray(v), dev) for k, v in arrays.items()}
+    lib[func.attrs["global_symbol"]](*[tensors[p.name] for p in func.params])
+    return {k: t.numpy() for k, t in tensors.items()}
+
+
+# the quantized kernels on every device that runs them: OpenCL (pocl on a CPU) here, CUDA on an
+# NVIDIA machine (scripts/gpu_check.sh), whose code generation differs
+LAUNCHERS = [pytest.param(_launch, id="opencl"),
+             pytest.param(_launch_cuda, id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("launch", LAUNCHERS)
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_gpu_quantized_kernels_on_opencl(fmt):
+def test_gpu_quantized_kernels(fmt, launch):
     """GEMV (fused norm + bias; residual), SwiGLU GEMV, tiled matmul and embedding over the packed
     blocks, against float64 numpy over the dequantized weights (x stays float32 on GPUs)."""
     from paged_decode.compile.kernels.gpu import gemv as gpu_gemv
@@ -501,11 +544,11 @@ def test_gpu_quantized_kernels_on_opencl(fmt):
     x1 = x[:1]
     xn = x1 / np.sqrt((x1.astype(np.float64) ** 2).mean() + 1e-5) * g
     grid = (-(-N // (gpu_gemv.R * gpu_gemv._rows_per_warp(N))), 1, 1)
-    y = _launch(gpu_gemv.gemv(N, K, fmt, "bias", 1e-5),
+    y = launch(gpu_gemv.gemv(N, K, fmt, "bias", 1e-5),
                 dict(x=x1, g=g, W=w, bias=bias, y=np.zeros((1, N), np.float32)), {}, grid,
                 (32, gpu_gemv.R, 1))["y"]
     _close(y, xn @ wd.T + bias)
-    y = _launch(gpu_gemv.gemv(N, K, fmt, "residual"),
+    y = launch(gpu_gemv.gemv(N, K, fmt, "residual"),
                 dict(x=x1, W=w, res=res[:1], y=np.zeros((1, N), np.float32)), {}, grid,
                 (32, gpu_gemv.R, 1))["y"]
     _close(y, x1 @ wd.T + res[:1])
@@ -513,24 +556,24 @@ def test_gpu_quantized_kernels_on_opencl(fmt):
     wgu, wgu_d = _quantized(fmt, 2 * I, K, 2)
     gate = wgu_d[[gate_up_row(i, I, False) for i in range(I)]]
     up = wgu_d[[gate_up_row(i, I, True) for i in range(I)]]
-    act = _launch(gpu_gemv.gemv_swiglu(I, K, fmt, 1e-5),
+    act = launch(gpu_gemv.gemv_swiglu(I, K, fmt, 1e-5),
                   dict(x=x1, g=g, W=wgu, act=np.zeros((1, I), np.float32)), {},
                   (-(-I // (gpu_gemv.R * gpu_gemv._rows_per_warp(I))), 1, 1),
                   (32, gpu_gemv.R, 1))["act"]
     _close(act, (xn @ gate.T) / (1 + np.exp(-(xn @ gate.T))) * (xn @ up.T))
 
     tiles = (gpu_linear.TX, gpu_linear.TY, 1)
-    y = _launch(gpu_linear.linear(N, K, fmt, "residual"),
+    y = launch(gpu_linear.linear(N, K, fmt, "residual"),
                 dict(x=x, W=w, res=res, y=np.zeros((n, N), np.float32)), dict(n=n),
                 (-(-N // gpu_linear.BN), -(-n // gpu_linear.BM), 1), tiles)["y"]
     _close(y, x @ wd.T + res)
-    act = _launch(gpu_linear.linear_swiglu(I, K, fmt),
+    act = launch(gpu_linear.linear_swiglu(I, K, fmt),
                   dict(x=x, W=wgu, act=np.zeros((n, I), np.float32)), dict(n=n),
                   (-(-I // gpu_linear.BN), -(-n // gpu_linear.BM), 1), tiles)["act"]
     _close(act, (x @ gate.T) / (1 + np.exp(-(x @ gate.T))) * (x @ up.T))
 
     ids = np.array([3, 0, N - 1, N, -1], np.int32)  # the last two: out of range, zero rows
-    emb = _launch(gpu_norm.embedding(N, K, fmt),
+    emb = launch(gpu_norm.embedding(N, K, fmt),
                   dict(ids=ids, table=w, x=np.full((5, K), np.nan, np.float32)), dict(n=5),
                   (5, 1, 1), (gpu_norm.block_threads(K), 1, 1))["x"]
     np.testing.assert_array_equal(emb[:3], wd[ids[:3]].astype(np.float32))  # exact: no sums
@@ -550,16 +593,21 @@ def test_gpu_quantized_gemv_of_many_rows_on_opencl():
     _close(y, x @ wd.T)
 
 
-def test_gpu_float16_scales_decode_from_their_bits():
+@pytest.mark.parametrize("launch", LAUNCHERS)
+def test_gpu_float16_scales_decode_from_their_bits(launch):
     """The GPU kernels read a block's float16 scale as two bytes (no float16 loads): normal,
-    subnormal, negative, zero and largest-finite scales decode exactly, through the embedding."""
+    subnormal, negative, signed zero and largest-finite scales decode bit for bit, through the
+    embedding."""
     from paged_decode.compile.kernels.gpu import norm as gpu_norm
 
-    scales = np.array([1.0, -0.5, 6.1e-5, 3e-7, -3e-7, 0.0, 65504.0, 2.0 ** -14], np.float16)
-    q = np.random.default_rng(5).integers(-127, 128, (len(scales), 32)).astype(np.int8)
+    scales = np.array([1.0, -0.5, 6.1e-5, 3e-7, -3e-7, 0.0, -0.0, 65504.0, 2.0 ** -14],
+                      np.float16)
+    q = np.random.default_rng(5).integers(1, 128, (len(scales), 32)).astype(np.int8)
+    q[:, ::2] *= -1  # both signs, no 0 (whose product's sign would not show the scale's)
     table = np.concatenate([scales.view(np.uint8).reshape(-1, 2), q.view(np.uint8)], axis=1)
     ids = np.arange(len(scales), dtype=np.int32)
-    emb = _launch(gpu_norm.embedding(len(scales), 32, "q8_0"),
-                  dict(ids=ids, table=table, x=np.zeros((len(scales), 32), np.float32)),
-                  dict(n=len(scales)), (len(scales), 1, 1), (32, 1, 1))["x"]
-    np.testing.assert_array_equal(emb, scales.astype(np.float32)[:, None] * q.astype(np.float32))
+    emb = launch(gpu_norm.embedding(len(scales), 32, "q8_0"),
+                 dict(ids=ids, table=table, x=np.zeros((len(scales), 32), np.float32)),
+                 dict(n=len(scales)), (len(scales), 1, 1), (32, 1, 1))["x"]
+    want = scales.astype(np.float32)[:, None] * q.astype(np.float32)
+    np.testing.assert_array_equal(emb.view(np.uint32), want.view(np.uint32))

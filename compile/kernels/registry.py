@@ -49,9 +49,12 @@ class KernelSet:
 NO_INT64_BUFFERS = ("webgpu",)
 
 
-# GPU targets whose device code reads the quantized formats' bytes (uint8 buffers): WGSL has no
-# 8-bit type and SPIR-V needs an 8-bit storage extension, so webgpu / vulkan dequantize.
+# GPU targets whose device code reads the quantized formats' bytes (uint8 buffers)
 BYTE_BUFFER_GPUS = ("cuda", "metal", "opencl")
+_NO_BYTE_BUFFERS = {
+    "webgpu": "WGSL has no 8-bit type for the packed blocks",
+    "vulkan": "8-bit storage buffers (VK_KHR_8bit_storage) are not built for vulkan here",
+}
 
 
 def no_quantized_kernels(target_kind: str, target=None) -> str | None:
@@ -65,8 +68,9 @@ def no_quantized_kernels(target_kind: str, target=None) -> str | None:
                 f"({target.attrs.get('mcpu', 'default')}) lacks")
     if target_kind in BYTE_BUFFER_GPUS:
         return None
-    return (f"{target_kind}'s device code has no 8-bit buffers for the packed blocks (quantized "
-            f"weights run on llvm with AVX2 and on {', '.join(BYTE_BUFFER_GPUS)})")
+    why = _NO_BYTE_BUFFERS.get(target_kind, f"{target_kind} has no quantized kernels")
+    return (f"{target_kind}: {why} (quantized weights run on llvm with AVX2 and on "
+            f"{', '.join(BYTE_BUFFER_GPUS)})")
 
 
 def kernels_for(target_kind: str, target=None) -> KernelSet:
