@@ -17,17 +17,26 @@ Conventions shared by the GPU kernels:
     in Python before a step runs, so the guards only keep a bad call from touching memory
     outside the pool.
 
-This file: the helpers every GPU kernel shares (symbol prefix, block sizes, block reductions).
+This file: the helpers every GPU kernel shares (symbol prefix, block sizes, block reductions,
+a weight element read as float32).
 """
 
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ..common import finalize as _finalize
 
 WARP = 32
 MAX_THREADS = 256  # WebGPU's default workgroup limit; also a safe Metal / OpenCL size
+
+
+def weight_at(wdt: str, W, c, k):
+    """W[c, k] as float32: a float matrix's element, or a quantized one's decoded from its
+    stored bytes (``formats.WeightFormat.weight``)."""
+    fmt = FORMATS[wdt]
+    return fmt.weight(W, c, k) if fmt.quantized else T.Cast("float32", W[c, k])
 
 
 def finalize(func, name: str):

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from ...formats import FORMATS
 from ..common import EPILOGUES, cached, dtype_tag, gate_up_rows, token_dim
 from ..signatures import matmul_func, swiglu_matmul_func
-from .common import finalize
+from .common import finalize, weight_at
 
 TX, TY = 16, 16  # threads: columns x tokens
 MI, NJ = 2, 4  # micro-tile per thread: tokens x columns
@@ -38,10 +38,6 @@ def _same_row(c):
 
 def _macros(K: int, wdt: str):
     KB = -(-K // BK)
-    fmt = FORMATS[wdt]
-
-    def weight(W, c, k):
-        return fmt.weight(W, c, k) if fmt.quantized else T.Cast("float32", W[c, k])
 
     @T.macro
     def load_x(x, xs, n, m0, kb, t):
@@ -58,8 +54,8 @@ def _macros(K: int, wdt: str):
         """ws[c, kk] = W[w_row(c0 + c), kb * BK + kk] as float32 (0 past ``rows`` or K)."""
         for it in range(BN * BK // LOADS):
             if c0 + (it * LOADS + t) // BK < rows and kb * BK + (it * LOADS + t) % BK < K:
-                ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = weight(
-                    W, w_row(c0 + (it * LOADS + t) // BK), kb * BK + (it * LOADS + t) % BK)
+                ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = weight_at(
+                    wdt, W, w_row(c0 + (it * LOADS + t) // BK), kb * BK + (it * LOADS + t) % BK)
             else:
                 ws[(it * LOADS + t) // BK * BKP + (it * LOADS + t) % BK] = T.float32(0)
 

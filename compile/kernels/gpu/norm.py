@@ -6,7 +6,7 @@ from tvm.script import tirx as T
 
 from ...formats import FORMATS
 from ..common import cached, dtype_tag, token_dim
-from .common import block_reduce, block_threads, finalize
+from .common import block_reduce, block_threads, finalize, weight_at
 
 
 @cached
@@ -15,11 +15,7 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     n = token_dim(n_static)
     NT = block_threads(H)
     HO = -(-H // NT)
-    fmt = FORMATS[wdt]
-    t_shape, t_dtype = fmt.storage(V, H)
-
-    def weight(table, row, k):  # a quantized row decoded from its bytes (formats.py)
-        return fmt.weight(table, row, k) if fmt.quantized else T.Cast("float32", table[row, k])
+    t_shape, t_dtype = FORMATS[wdt].storage(V, H)
 
     @T.prim_func(s_tir=True)
     def func(var_ids: T.handle, table: T.Buffer(t_shape, t_dtype), var_x: T.handle):
@@ -31,8 +27,8 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
                     for ho in range(HO):
                         if ho * NT + tx < H:
                             if 0 <= ids[i] and ids[i] < V:
-                                x[i, ho * NT + tx] = weight(
-                                    table, T.Cast("int64", ids[i]), ho * NT + tx)
+                                x[i, ho * NT + tx] = weight_at(
+                                    wdt, table, T.Cast("int64", ids[i]), ho * NT + tx)
                             else:
                                 x[i, ho * NT + tx] = T.float32(0)
 
