@@ -4,9 +4,10 @@ the quantized kernels, on the targets that have them).
 
 Building runs wherever the compiler can (every target but vulkan with the PyPI TVM wheel; cuda
 needs nvcc, no GPU).  Each (target, variant) artifact is built once per session and holds
-both functions.  Running needs the target's device: GPU runs are ``@pytest.mark.gpu`` and skip
-with a reason where the device is missing; they compare prefill / decode logits and greedy
-tokens with the llvm artifact (tolerances from conftest's LOGIT_TOL).
+every function.  Running needs the target's device: GPU runs are ``@pytest.mark.gpu`` and skip
+with a reason where the device is missing; they compare prefill / decode / batch logits and
+greedy tokens with the llvm artifact (tolerances from conftest: LOGIT_TOL, quantized
+NATIVE_VS_DEQUANT_RTOL).
 """
 
 from __future__ import annotations
