@@ -235,6 +235,16 @@ def load(build):
     return _memoised(_load)
 
 
+def quantized_weights(fmt: str, rows: int, K: int, seed: int = 0, scale: float = 1.0):
+    """(packed rows as stored in ``fmt``, their float64 dequantization) of seeded standard
+    normal float32 weights times ``scale``."""
+    from paged_decode.compile.formats import FORMATS
+
+    w = np.random.default_rng(seed).standard_normal((rows, K)).astype(np.float32) * scale
+    packed = FORMATS[fmt].quantize(w)
+    return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
+
+
 def make_pool(artifact, num_blocks: int):
     from paged_decode.runtime.kv_pool import PagedKVCache
 

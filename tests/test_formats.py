@@ -14,7 +14,7 @@ from paged_decode.compile.kernels.cpu import quant
 from paged_decode.compile.kernels.cpu.linear import TILES
 from paged_decode.compile.params import GATE_UP_ROWS, interleave_gate_up
 
-from .conftest import QUANT_KERNEL_RTOL
+from .conftest import QUANT_KERNEL_RTOL, quantized_weights
 from .test_kernels import _compiled, _t
 
 GGML = gguf.GGMLQuantizationType
@@ -158,9 +158,7 @@ def _close(got, want):
 
 
 def _weights(fmt, N, K, seed=0):
-    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.1
-    packed = FORMATS[fmt].quantize(w)
-    return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
+    return quantized_weights(fmt, N, K, seed, scale=0.1)
 
 
 # N not a multiple of the 16-row unit or the tile; K: one block, an odd count of blocks (k-quants:
@@ -244,17 +242,23 @@ LINEAR_CASES = [(f, "bias", LINEAR_TILES[0]) for f in QUANT_FORMATS] + [
     (f, e, t) for f in ("q4_0", "q6_k") for e in ("none", "residual") for t in LINEAR_TILES]
 
 
+def _check_matmul_over_token_counts(factory, fmt, epilogue, seed, *options, qmax=None):
+    """One compiled prefill matmul (130 rows) over 1, 3 and 70 tokens against numpy: x as it
+    is, or (``qmax``) quantized per row as the decode GEMV quantizes it."""
+    N, K = 130, _k(fmt, 160, 768)
+    rng = np.random.default_rng(seed)
+    packed, Wd = _weights(fmt, N, K)
+    kernel = _compiled(factory, N, K, fmt, epilogue, *options)
+    for n in (1, 3, 70):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        xs = x if qmax is None else np.stack([_x_as_quantized(r, qmax) for r in x])
+        _check_matmul(kernel, rng, x, packed, xs.astype(np.float64) @ Wd.T, epilogue)
+
+
 @pytest.mark.parametrize("fmt,epilogue,tile", LINEAR_CASES)
 def test_quantized_prefill_linear(fmt, epilogue, tile):
     """One compiled kernel over 1, 3 and 70 tokens (a partial block of 64 rows after a whole)."""
-    N, K = 130, _k(fmt, 160, 768)
-    rng = np.random.default_rng(6)
-    packed, Wd = _weights(fmt, N, K)
-    kernel = _compiled(quant.linear, N, K, fmt, epilogue, tile)
-    for n in (1, 3, 70):
-        x = rng.standard_normal((n, K)).astype(np.float32)
-        want = x.astype(np.float64) @ Wd.T
-        _check_matmul(kernel, rng, x, packed, want, epilogue)
+    _check_matmul_over_token_counts(quant.linear, fmt, epilogue, 6, tile)
 
 
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
@@ -286,15 +290,8 @@ INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS] + [
 def test_int8_tile_linear(fmt, epilogue, wide_x):
     """One kernel over 1, 3 and 70 tokens: 70 = 8 tiles of 8 in a block of 64, then 4 + 2 in
     the next; 3 = 2 + 1.  x quantized per row as the decode GEMV's."""
-    N, K = 130, _k(fmt, 160, 768)
-    rng = np.random.default_rng(8)
-    packed, Wd = _weights(fmt, N, K)
-    kernel = _compiled(quant.linear_int8, N, K, fmt, epilogue, wide_x)
-    for n in (1, 3, 70):
-        x = rng.standard_normal((n, K)).astype(np.float32)
-        xq = np.stack([_x_as_quantized(r, 32767 if wide_x else 127) for r in x])
-        want = xq.astype(np.float64) @ Wd.T
-        _check_matmul(kernel, rng, x, packed, want, epilogue)
+    _check_matmul_over_token_counts(quant.linear_int8, fmt, epilogue, 8, wide_x,
+                                    qmax=32767 if wide_x else 127)
 
 
 def test_prefill_of_long_rows_takes_the_int8_tile():

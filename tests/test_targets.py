@@ -27,7 +27,7 @@ from paged_decode.compile.targets import KINDS, resolve_target
 from paged_decode.runtime.artifact import load_artifact
 from paged_decode.runtime.errors import ArtifactError, CompileError, ConfigError
 
-from .conftest import LOGIT_TOL, NATIVE_VS_DEQUANT_RTOL, QUANT_KERNEL_RTOL
+from .conftest import LOGIT_TOL, NATIVE_VS_DEQUANT_RTOL, QUANT_KERNEL_RTOL, quantized_weights
 
 # decode crosses blocks and a 128-position chunk; one batch bucket of 4 rows
 OPTS = dict(block_size=8, max_context=256, batch_buckets=(4,))
@@ -500,13 +500,6 @@ def test_gpu_tiled_linear_on_opencl(n):
 
 
 # -- the quantized GPU kernels on OpenCL: each format's blocks decoded from their bytes ----------
-def _quantized(fmt: str, rows: int, K: int, seed: int):
-    """(packed rows as stored, their float64 dequantization) of random float32 weights."""
-    w = np.random.default_rng(seed).standard_normal((rows, K)).astype(np.float32)
-    packed = FORMATS[fmt].quantize(w)
-    return packed, FORMATS[fmt].dequantize(packed, K).astype(np.float64)
-
-
 def _close(got, want):
     np.testing.assert_allclose(got, want, atol=QUANT_KERNEL_RTOL * np.abs(want).max(), rtol=0)
 
@@ -541,7 +534,7 @@ def test_gpu_quantized_kernels(fmt, launch):
     # units per row not a multiple of a warp's 32; a 32-weight format's K not one of 256
     N, K, n, I = 40, 1312 if FORMATS[fmt].block == 32 else 1280, 33, 72
     rng = np.random.default_rng(K)
-    w, wd = _quantized(fmt, N, K, 1)
+    w, wd = quantized_weights(fmt, N, K, 1)
     x, g = rng.standard_normal((n, K)).astype(np.float32), rng.standard_normal(K).astype(np.float32)
     bias, res = rng.standard_normal(N).astype(np.float32), rng.standard_normal((n, N)).astype(
         np.float32)
@@ -557,7 +550,7 @@ def test_gpu_quantized_kernels(fmt, launch):
                 (32, gpu_gemv.R, 1))["y"]
     _close(y, x1 @ wd.T + res[:1])
 
-    wgu, wgu_d = _quantized(fmt, 2 * I, K, 2)
+    wgu, wgu_d = quantized_weights(fmt, 2 * I, K, 2)
     gate = wgu_d[[gate_up_row(i, I, False) for i in range(I)]]
     up = wgu_d[[gate_up_row(i, I, True) for i in range(I)]]
     act = launch(gpu_gemv.gemv_swiglu(I, K, fmt, 1e-5),
@@ -590,7 +583,7 @@ def test_gpu_quantized_gemv_of_many_rows_on_opencl():
 
     N, K = 8448, 256
     assert gpu_gemv._rows_per_warp(N) == 4
-    w, wd = _quantized("q4_k", N, K, 3)
+    w, wd = quantized_weights("q4_k", N, K, 3)
     x = np.random.default_rng(4).standard_normal((1, K)).astype(np.float32)
     y = _launch(gpu_gemv.gemv(N, K, "q4_k"), dict(x=x, W=w, y=np.zeros((1, N), np.float32)), {},
                 (N // (gpu_gemv.R * 4), 1, 1), (32, gpu_gemv.R, 1))["y"]
