@@ -178,9 +178,10 @@ class _Builder:
                          [x, p["final_norm"], p[head]], (1, v))
 
     def head_opts(self, head: str) -> dict:
-        """A quantized LM head reads int16 activations (``kernels.cpu.quant.gemv``,
-        ``linear_int8``)."""
-        return {"wide_x": True} if FORMATS[self.fmt[head]].quantized else {}
+        """A quantized LM head reads int16 activations where the kernel set's do
+        (``KernelSet.quant_head_wide_x``: ``kernels.cpu.quant.gemv``, ``linear_int8``)."""
+        wide = FORMATS[self.fmt[head]].quantized and self.k.quant_head_wide_x
+        return {"wide_x": True} if wide else {}
 
 
 def _per_call_inputs(n: int) -> dict:

@@ -41,6 +41,9 @@ class KernelSet:
     linear_swiglu_rows: Callable | None = None
     small_rows: int = 0
     small_rows_quant: int = 0
+    # whether a quantized LM head's kernels take int16 activations (``wide_x``: the CPU's
+    # integer dot products; the GPU kernels keep x float32)
+    quant_head_wide_x: bool = False
 
 
 # Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have
