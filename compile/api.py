@@ -14,7 +14,7 @@ import numpy as np
 from paged_decode.runtime.artifact import (buckets_arg, cli_target, compile_command, read_manifest,
                                            sha256_file)
 from paged_decode.runtime.errors import ArtifactError, ConfigError, WeightsError
-from paged_decode.runtime.manifest import DEFAULT_BATCH_BUCKETS, Manifest
+from paged_decode.runtime.manifest import DEFAULT_BATCH_BUCKETS, Manifest, weight_policy
 from paged_decode.runtime.pack import file_record, record_verified, verify_pack
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
@@ -25,7 +25,7 @@ from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
 from .tokenizer_export import export_tokenizer
-from .weights import ModelSource, resolve_formats, resolve_model
+from .weights import ModelSource, interleave_formats, resolve_formats, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
 def _policy_arg(spec: BuildSpec) -> str:
     """The ``--weight-dtype`` that gives ``spec``'s formats again: its one format, or "auto"
     for a GGUF's own mix."""
-    return "auto" if spec.weight_formats else spec.weight_dtype
+    return weight_policy(spec.weight_dtype, spec.weight_formats)
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path,
@@ -159,7 +159,7 @@ def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: s
     name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}{mix}"
             f"-w{WEIGHTS_FORMAT}")
     hint = compile_command(source.cli_name or source.config.name,
-                           {"weight_dtype": "auto" if weight_formats else weight_dtype}, root)
+                           {"weight_dtype": weight_policy(weight_dtype, weight_formats)}, root)
     return cache.locked_build(
         wroot, name, lambda d: write_weight_pack(source, weight_dtype, d, weight_formats),
         _weights_complete, policy, hint, **lock)
@@ -199,8 +199,10 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
         raise ConfigError(f"batch_buckets={list(batch_buckets)}: target {tspec.kind} has no "
                           "batched decode kernels (its device code has no int64 buffers); "
                           "build it with --batch-buckets none")
-    base, formats = resolve_formats(source, weight_dtype,
-                                    no_quantized=no_quantized_kernels(tspec.kind, tspec.target))
+    no_quantized = no_quantized_kernels(tspec.kind, tspec.target)
+    base, formats = resolve_formats(source, weight_dtype, no_quantized=no_quantized)
+    if tspec.kind == "llvm" and not no_quantized:
+        base, formats = interleave_formats(source.config, base, formats)
     spec = make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,
                      max_context=max_context, cache_dtype=cache_dtype, weight_dtype=base,
                      batch_buckets=batch_buckets, weight_formats=formats)

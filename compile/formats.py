@@ -20,6 +20,10 @@ s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen
 into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
 row-block layout allows.
 
+On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 take the same blocks with
+8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``; ``_Rows8``): a lossless regrouping
+made when the pack is written, which the CPU kernels read 8 rows per vector.
+
 The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
 is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
 pairs where it is read.
@@ -31,6 +35,8 @@ import dataclasses
 
 import numpy as np
 from tvm.script import tirx as T
+
+from paged_decode.runtime.manifest import INTERLEAVED_SUFFIX
 
 QBLOCK = 32  # weights per kernel unit; the block of the 32-weight formats
 QK_K = 256  # weights per super-block of the k-quants
@@ -640,6 +646,134 @@ class _Q6_K(WeightFormat):
         return T.bitwise_or(lo, T.shift_left(hi, 4)) - 32
 
 
+# ------------------------------------------------------------------ rows interleaved by 8
+ROW_GROUP = 8  # rows per group of an interleaved layout: one 256-bit vector of float32 sums
+
+
+class _Rows8(WeightFormat):
+    """A 32-weight format with ``ROW_GROUP`` rows interleaved (the CPU's layout for q8_0 /
+    q4_0 / q4_1 matrices, lossless): stored ``(N / 8, K / 32 * 8 * block_bytes)``, each group's
+    unit ``b`` the eight rows' block ``b`` regrouped.  First each float16 field of the block
+    (d; Q4_1: d then m) for rows 0..7 (16 bytes per field), then the quants in 4-byte chunks:
+    chunk ``j`` holds bytes ``[4j, 4j + 4)`` of each row's quant bytes, row after row (32 bytes;
+    Q4 blocks have 4 chunks, whose low nibbles are weights 4j + i and high ones 16 + 4j + i,
+    Q8_0 8).  One 256-bit load of a chunk is 8 rows x 4 quants, so a ``vpmaddubsw`` against 4
+    bytes of x broadcast gives every row's partial sum in its own lanes: the eight rows share
+    the unpacking, the conversion and the scale, and no horizontal reduction remains
+    (docs/design.md: Quantized weights)."""
+
+    def __init__(self, base: WeightFormat):
+        super().__init__(base.name + INTERLEAVED_SUFFIX, base.block_bytes, base.gguf_type)
+        object.__setattr__(self, "base", base)
+        object.__setattr__(self, "has_offset", base.has_offset)
+
+    @property
+    def fields(self) -> int:  # float16 fields per block (d; Q4_1: d, m)
+        return 2 if self.base.name == "q4_1" else 1
+
+    @property
+    def quant_bytes(self) -> int:
+        return self.block_bytes - 2 * self.fields
+
+    @property
+    def unit_bytes(self) -> int:  # bytes of one group's unit: 8 blocks
+        return ROW_GROUP * self.block_bytes
+
+    def storage(self, N, K):
+        return (N // ROW_GROUP, K // QBLOCK * self.unit_bytes), "uint8"
+
+    def row_bytes(self, K):
+        return K // QBLOCK * self.block_bytes
+
+    def fits_rows(self, N: int) -> bool:
+        return N % ROW_GROUP == 0
+
+    def group(self, packed: np.ndarray) -> np.ndarray:
+        """Rows in the base format's layout ``(N, NB * block_bytes)`` -> this layout."""
+        n, nb = packed.shape[0], packed.shape[1] // self.block_bytes
+        b = np.ascontiguousarray(packed).reshape(n // ROW_GROUP, ROW_GROUP, nb, self.block_bytes)
+        h = 2 * self.fields
+        head = b[..., :h].reshape(-1, ROW_GROUP, nb, self.fields, 2).transpose(0, 2, 3, 1, 4)
+        qs = b[..., h:].reshape(-1, ROW_GROUP, nb, self.quant_bytes // 4, 4).transpose(
+            0, 2, 3, 1, 4)
+        g = n // ROW_GROUP
+        return np.ascontiguousarray(np.concatenate(
+            [head.reshape(g, nb, -1), qs.reshape(g, nb, -1)], axis=2).reshape(g, -1))
+
+    def ungroup(self, grouped: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`group`."""
+        g, nb = grouped.shape[0], grouped.shape[1] // self.unit_bytes
+        u = np.ascontiguousarray(grouped).reshape(g, nb, self.unit_bytes)
+        h = 2 * self.fields * ROW_GROUP
+        head = u[..., :h].reshape(g, nb, self.fields, ROW_GROUP, 2).transpose(0, 3, 1, 2, 4)
+        qs = u[..., h:].reshape(g, nb, self.quant_bytes // 4, ROW_GROUP, 4).transpose(
+            0, 3, 1, 2, 4)
+        rows = np.concatenate([head.reshape(g, ROW_GROUP, nb, -1),
+                               qs.reshape(g, ROW_GROUP, nb, -1)], axis=3)
+        return np.ascontiguousarray(rows.reshape(g * ROW_GROUP, nb * self.block_bytes))
+
+    def quantize(self, w):
+        return self.group(self.base.quantize(w))
+
+    def dequantize(self, packed, K):
+        return self.base.dequantize(self.ungroup(packed), K)
+
+    # group-wise vector TIR (the CPU kernels' lanes are the group's 8 rows); Wv: views of the
+    # stored (N / 8, ...) matrix as uint8, int8, float16; x32: x quantized to int8, as int32
+    def _field8(self, Wv, g, b, field: int):
+        return T.Cast("float32x8", Wv[2].vload(
+            [g, b * (self.unit_bytes // 2) + field * ROW_GROUP], "float16x8"))
+
+    def _chunk(self, Wv, g, b, j, dtype="uint8x32"):
+        byte = b * self.unit_bytes + 2 * self.fields * ROW_GROUP + 32 * j
+        return (Wv[0] if dtype.startswith("u") else Wv[1]).vload([g, byte], dtype)
+
+    def group_dot(self, Wv, g, b, x32, x0):
+        """int32x8: lane r = sum_j q_j(row r) * x[x0 * 4 + j] over the unit's 32 weights (the
+        stored quants: Q4 unsigned 0..15), x32 the int8 x as int32 (4 weights per element)."""
+        def xb(j):
+            return T.reinterpret("int8x32", T.broadcast(x32[x0 + j], ROW_GROUP))
+
+        if self.base.name == "q8_0":
+            # pair sums of int8 x int8 reach 2 * 128 * 127: each chunk to int32 on its own
+            parts = []
+            for j in range(8):
+                q = self._chunk(Wv, g, b, j, "int8x32")
+                s = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", xb(j), q)
+                parts.append(_pairs_to_i32x8(_maddubs32(T.reinterpret("uint8x32", T.abs(q)), s)))
+            return ((parts[0] + parts[1]) + (parts[2] + parts[3])) + (
+                (parts[4] + parts[5]) + (parts[6] + parts[7]))
+        terms = []
+        low = T.broadcast(T.uint8(15), 32)
+        for j in range(4):
+            p = self._chunk(Wv, g, b, j)
+            terms.append(_maddubs32(T.bitwise_and(p, low), xb(j)))
+            terms.append(_maddubs32(T.bitwise_and(T.shift_right(p, T.broadcast(T.uint8(4), 32)),
+                                                  low), xb(4 + j)))
+        # eight int16 pair sums of at most 2 * 15 * 127 each: 30480 < 2^15
+        return _pairs_to_i32x8(((terms[0] + terms[1]) + (terms[2] + terms[3]))
+                               + ((terms[4] + terms[5]) + (terms[6] + terms[7])))
+
+    def group_unit(self, Wv, g, b, dot, xd, xsum):
+        """float32x8: the unit's contribution to each row's dot product, from ``dot``
+        (``group_dot``), the x block's scale ``xd`` and ``xsum`` = xd * sum(xq)."""
+        d = self._field8(Wv, g, b, 0)
+        prod = T.Cast("float32x8", dot) * T.broadcast(xd, 8)
+        if self.base.name == "q4_0":  # quants stored plus 8
+            return d * (prod - T.broadcast(T.float32(8) * xsum, 8))
+        if self.base.name == "q4_1":
+            return d * prod + self._field8(Wv, g, b, 1) * T.broadcast(xsum, 8)
+        return d * prod
+
+    # the row-wise pieces do not apply: every kernel over this layout works on whole groups
+    # (the embedding and the LM head, read by rows, keep the base layout: ``interleaved``)
+    def scale(self, Wv, c, b):
+        raise NotImplementedError(f"{self.name} is read by groups of {ROW_GROUP} rows")
+
+    def unit_scale(self, W8, c, b, half):
+        raise NotImplementedError(f"{self.name} is read by groups of {ROW_GROUP} rows")
+
+
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Float("float32", 4, "F32"),
     _Float("float16", 2, "F16"),
@@ -650,10 +784,27 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Q5_K("q5_k", 176, "Q5_K"),
     _Q6_K("q6_k", 210, "Q6_K"),
 )}
+# the interleaved layouts: chosen per matrix for CPU targets (``interleaved``), never asked for
+INTERLEAVED = {f.base.name: f for f in (_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1"))}
+USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
+FORMATS.update({f.name: f for f in INTERLEAVED.values()})
 FLOAT_FORMATS = ("float32", "float16")
-QUANT_FORMATS = tuple(n for n, f in FORMATS.items() if f.quantized)
+QUANT_FORMATS = tuple(n for n in USER_FORMATS if FORMATS[n].quantized)
+
+
+def interleaved(name: str, fmt: str, rows: int, gate_up_inter: int | None = None) -> str:
+    """The format matrix ``name`` of ``rows`` rows in ``fmt`` takes on a CPU target: its
+    interleaved layout where one exists and whole groups of rows fit (``w_gate_up``: its gate
+    and up runs too, ``gate_up_inter`` act rows), else ``fmt``.  The embedding and the LM head
+    keep rows: the embedding is read by rows and the head's kernel takes int16 x."""
+    x8 = INTERLEAVED.get(fmt)
+    if x8 is None or name in ("embed", "lm_head") or rows % ROW_GROUP:
+        return fmt
+    if gate_up_inter is not None and gate_up_inter % ROW_GROUP:
+        return fmt
+    return x8.name
 
 
 def by_gguf_type(type_name: str) -> WeightFormat | None:
     """The format stored exactly like a GGUF tensor type (by its GGMLQuantizationType name)."""
-    return next((f for f in FORMATS.values() if f.gguf_type == type_name), None)
+    return next((FORMATS[n] for n in USER_FORMATS if FORMATS[n].gguf_type == type_name), None)

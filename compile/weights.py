@@ -27,7 +27,7 @@ from paged_decode.runtime.errors import ConfigError, WeightsError
 
 from . import config as config_mod
 from .config import ModelConfig
-from .formats import FORMATS, QUANT_FORMATS, by_gguf_type
+from .formats import FORMATS, QUANT_FORMATS, USER_FORMATS, by_gguf_type, interleaved
 from .params import interleave_gate_up, matrix_shapes, param_specs
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,14 @@ def _assemble(cfg: ModelConfig, get, specs, raw=None) -> dict[str, np.ndarray]:
     out = {}
     for spec in specs:
         parts = _hf_parts(cfg, spec.name)
-        if raw is not None and spec.logical and FORMATS[spec.format].quantized:
-            pieces = [raw(hf_name, spec.format) for hf_name, _shape in parts]
+        fmt = FORMATS[spec.format]
+        if raw is not None and spec.logical and fmt.quantized:
+            rows = getattr(fmt, "base", fmt)  # an interleaved layout regroups the file's rows
+            pieces = [raw(hf_name, rows.name) for hf_name, _shape in parts]
             if all(p is not None for p in pieces):
-                out[spec.name] = np.ascontiguousarray(_join(spec.name, pieces))
+                joined = _join(spec.name, pieces)
+                out[spec.name] = np.ascontiguousarray(
+                    fmt.group(joined) if rows is not fmt else joined)
                 continue
         pieces = []
         for hf_name, shape in parts:
@@ -574,7 +578,7 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
             for name in matrix_shapes(source.config)}
 
 
-WEIGHT_POLICIES = ("auto", *FORMATS)
+WEIGHT_POLICIES = ("auto", *USER_FORMATS)
 # a k-quant policy's format for a matrix whose rows are not whole 256-weight super-blocks
 # (SmolLM2's 576): the 32-weight format of at least its precision (llama.cpp falls back the
 # same way, to Q5_0 / Q5_1 / Q8_0, formats not run here)
@@ -644,11 +648,31 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
                 chosen[name] = "float16"
             log.warning("%s: rows of %d weights are not whole %s blocks: stored as %s",
                         name, cols, fmt, chosen[name])
+    return _base_and_exceptions(chosen)
+
+
+def _base_and_exceptions(chosen: dict[str, str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``(weight_dtype, weight_formats)`` of ``{matrix: format}``: the most common format (ties:
+    the greater name) and the others."""
     counts: dict[str, int] = {}
     for fmt in chosen.values():
         counts[fmt] = counts.get(fmt, 0) + 1
     base = max(counts, key=lambda f: (counts[f], f))
     return base, tuple(sorted((n, f) for n, f in chosen.items() if f != base))
+
+
+def interleave_formats(cfg: ModelConfig, weight_dtype: str, weight_formats=()
+                       ) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """``(weight_dtype, weight_formats)`` as a CPU target stores them: every matrix whose
+    format has an interleaved layout (``formats.interleaved``: q8_0 / q4_0 / q4_1, rows in
+    groups of 8) takes it; the rest, the embedding and the LM head keep theirs."""
+    specs = [s for s in param_specs(cfg, weight_dtype, weight_formats) if s.logical]
+    chosen = {s.name: interleaved(s.name, s.format, s.logical[0],
+                                  cfg.intermediate_size if s.name.endswith("w_gate_up") else None)
+              for s in specs}
+    if all(chosen[s.name] == s.format for s in specs):
+        return weight_dtype, tuple(weight_formats)
+    return _base_and_exceptions(chosen)
 
 
 # ---------------------------------------------------------------------------- tokenizer export

@@ -23,7 +23,7 @@ from tvm import relax
 
 from .errors import ArtifactError, WeightsError
 from .host_memory import HostArena, on_host, to_tvm
-from .manifest import DEFAULT_BATCH_BUCKETS, DISK_ONLY, Manifest
+from .manifest import DEFAULT_BATCH_BUCKETS, DISK_ONLY, Manifest, weight_policy
 from .pack import verify_pack
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
 
@@ -67,9 +67,9 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     target = source.get("target") or key.get("target") or m.get("target_kind")
     opts = {"target": cli_target(target)} if isinstance(target, str) else {}
     opts.update((field, source[field]) for field in (
-        "block_size", "max_blocks_cap", "cache_dtype", "weight_dtype") if field in source)
-    if source.get("weight_formats"):  # a GGUF's own mix of formats
-        opts["weight_dtype"] = "auto"
+        "block_size", "max_blocks_cap", "cache_dtype") if field in source)
+    if isinstance(source.get("weight_dtype"), str):
+        opts["weight_dtype"] = weight_policy(source["weight_dtype"], source.get("weight_formats"))
     buckets = source.get("batch_buckets")
     default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
     extra = (f" --batch-buckets {buckets_arg(buckets)}"
@@ -237,12 +237,12 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     path = Path(path)
     m = artifact.manifest
     model = m.model_arg or m.name
-    mixed = bool(m.key.get("weight_formats")) if isinstance(m.key, dict) else False
+    mixed = m.key.get("weight_formats") if isinstance(m.key, dict) else None
     hint = ("convert the weights again with "
-            f"`{_pack_command(model, 'auto' if mixed else m.weight_dtype, path)}`")
+            f"`{_pack_command(model, weight_policy(m.weight_dtype, mixed), path)}`")
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if isinstance(meta.get("model_arg"), str) and isinstance(meta.get("weight_dtype"), str):
-        policy = "auto" if meta.get("weight_formats") else meta["weight_dtype"]
+        policy = weight_policy(meta["weight_dtype"], meta.get("weight_formats"))
         hint = ("convert the weights again with "
                 f"`{_pack_command(meta['model_arg'], policy, path)}`")
     if meta.get("weights_format") != WEIGHTS_FORMAT:

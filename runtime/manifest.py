@@ -65,6 +65,17 @@ _RULES = {
 }
 # the batch buckets a CPU artifact gets unless told (GPU kernel sets have none yet)
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
+# a stored format's name ends in this where its rows are interleaved in groups (the CPU's
+# layout of q8_0 / q4_0 / q4_1; compile/formats.py): the same format to whoever chooses it
+INTERLEAVED_SUFFIX = "x8"
+
+
+def weight_policy(weight_dtype: str, weight_formats) -> str:
+    """The ``--weight-dtype`` that chooses these formats again: their one format (interleaved
+    or not), else "auto" (a GGUF's own mix)."""
+    names = {f.removesuffix(INTERLEAVED_SUFFIX)
+             for f in [weight_dtype, *dict(weight_formats or {}).values()]}
+    return names.pop() if len(names) == 1 else "auto"
 DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
 _OPTIONAL = {"model_arg": ("a string", lambda v: isinstance(v, str))}
 

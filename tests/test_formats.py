@@ -9,7 +9,7 @@ import pytest
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from paged_decode.compile.formats import FORMATS, QUANT_FORMATS
+from paged_decode.compile.formats import FORMATS, INTERLEAVED, QUANT_FORMATS, ROW_GROUP
 from paged_decode.compile.kernels.cpu import quant
 from paged_decode.compile.kernels.cpu.linear import TILES
 from paged_decode.compile.params import GATE_UP_ROWS, interleave_gate_up
@@ -62,6 +62,34 @@ def test_dequantize_is_bit_exact_with_gguf_on_random_blocks(fmt):
     ours = FORMATS[fmt].dequantize(packed, K)
     theirs = gguf_dequantize(packed, _gguf_type(fmt)).reshape(7, K)
     np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+
+
+X8_FORMATS = tuple(f.name for f in INTERLEAVED.values())
+
+
+@pytest.mark.parametrize("fmt", X8_FORMATS)
+def test_interleaved_rows_are_the_base_blocks_regrouped(fmt):
+    """group / ungroup are inverse and lossless; the layout is the documented one (row r's
+    scale at byte 2 r of its group's unit, its quant bytes 4 j .. 4 j + 3 in chunk j); the
+    dequantized values are gguf's for the base blocks."""
+    f, K, rows = FORMATS[fmt], 96, 2 * ROW_GROUP
+    base = f.base.name
+    packed = _random_blocks(base, rows, K, seed=3)
+    grouped = f.group(packed)
+    assert grouped.shape == f.storage(rows, K)[0] == (2, K // 32 * 8 * f.block_bytes)
+    np.testing.assert_array_equal(f.ungroup(grouped), packed)
+    head = 2 * f.fields
+    for g, r, b in ((0, 0, 0), (1, 5, 2), (1, 7, 1)):
+        block = packed[g * 8 + r, b * f.block_bytes:(b + 1) * f.block_bytes]
+        unit = grouped[g, b * f.unit_bytes:(b + 1) * f.unit_bytes]
+        for field in range(f.fields):
+            at = field * 16 + 2 * r
+            np.testing.assert_array_equal(unit[at:at + 2], block[2 * field:2 * field + 2])
+        for j in range(f.quant_bytes // 4):
+            at = 16 * f.fields + 32 * j + 4 * r
+            np.testing.assert_array_equal(unit[at:at + 4], block[head + 4 * j:head + 4 * j + 4])
+    theirs = gguf_dequantize(packed, _gguf_type(base)).reshape(rows, K)
+    np.testing.assert_array_equal(f.dequantize(grouped, K), theirs.astype(np.float32))
 
 
 GGUF_QUANTIZES = [f for f in QUANT_FORMATS if FORMATS[f].block == 32]  # gguf lacks the k-quants'
@@ -121,6 +149,36 @@ def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
     assert params["embed"].nbytes == cfg.vocab_size * cfg.hidden_size // 32 * 34
 
 
+def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regrouped(
+        smollm_gguf):
+    """On a CPU target SmolLM2's Q4_1 matrices take the interleaved layout and the Q8_0
+    embedding (the tied LM head) keeps its rows; the pack holds the file's blocks regrouped
+    (ungrouped: the bytes the plain layout holds).  A k-quant keeps its rows, and so does
+    a w_gate_up whose act rows do not fill groups of 8."""
+    import dataclasses
+
+    from paged_decode.compile.config import preset
+    from paged_decode.compile.weights import interleave_formats, resolve_formats, resolve_model
+
+    source = resolve_model(str(smollm_gguf))
+    base, others = interleave_formats(source.config, *resolve_formats(source, "auto"))
+    assert (base, others) == ("q4_1x8", (("embed", "q8_0"),))
+    grouped = source.load_params(base, others)
+    plain = source.load_params("q4_1", (("embed", "q8_0"),))
+    for name in ("layers.0.wqkv", "layers.7.w_gate_up", "layers.29.w_down", "layers.3.wo"):
+        np.testing.assert_array_equal(FORMATS[base].ungroup(grouped[name]), plain[name],
+                                      err_msg=name)
+    np.testing.assert_array_equal(grouped["embed"], plain["embed"])
+
+    cfg = preset("llama-160m")
+    assert interleave_formats(cfg, "q4_k", (("lm_head", "q8_0"),)) == (
+        "q4_k", (("lm_head", "q8_0"),))
+    odd = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 4)
+    got = dict(interleave_formats(odd, "q4_0", (("lm_head", "q8_0"),))[1])
+    assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0"
+    assert "layers.0.wo" not in got  # the base: q4_0x8
+
+
 def test_auto_formats_on_a_target_without_quantized_kernels(smollm_gguf, caplog):
     """WebGPU keeps no quantized format: "auto" dequantizes SmolLM2 to float16 and says why once;
     CUDA keeps the file's formats."""
@@ -158,7 +216,19 @@ def _close(got, want):
 
 
 def _weights(fmt, N, K, seed=0):
-    return quantized_weights(fmt, N, K, seed, scale=0.1)
+    """(stored rows, float64 dequantized); an interleaved format's rows in its base layout,
+    so that ``_gate_up`` can join them (``_stored`` gives the kernels' layout)."""
+    return quantized_weights(getattr(FORMATS[fmt], "base", FORMATS[fmt]).name, N, K, seed,
+                             scale=0.1)
+
+
+def _stored(fmt, rows):
+    """Rows of ``_weights`` as ``fmt`` stores them (interleaved formats: grouped)."""
+    return FORMATS[fmt].group(rows) if fmt in X8_FORMATS else rows
+
+
+def _gate_up(fmt, gate, up):
+    return _stored(fmt, interleave_gate_up(gate, up))
 
 
 # N not a multiple of the 16-row unit or the tile; K: one block, an odd count of blocks (k-quants:
@@ -172,6 +242,11 @@ GEMV_CASES = [(f, *SHAPES[i], v) for f in QUANT_FORMATS
               for i, v in ((0, "none"), (2, "norm"), (1, "wide_x"))] + [
     (f, *SHAPES[i], v) for f in ("q4_1", "q4_k")
     for i, v in ((1, "residual"), (1, "norm_bias"), (2, "norm_wide_x"))]
+# interleaved rows (whole groups of 8: N = 40 is 2.5 units of 16 rows; K = 32 one unit, 416 not
+# a multiple of the 4 units in flight)
+GEMV_CASES += [(f, *s, v) for f in X8_FORMATS for s, v in (
+    ((40, (32, 256)), "none"), ((1000, (576, 1280)), "norm"))] + [
+    ("q4_1x8", 136, (416, 0), v) for v in ("residual", "norm_bias")]
 
 
 @pytest.mark.parametrize("fmt,N,Ks,variant", GEMV_CASES)
@@ -187,7 +262,7 @@ def test_quantized_gemv(fmt, N, Ks, variant):
     epilogue = {"norm_bias": "bias", "residual": "residual"}.get(variant, "none")
     xs = _rmsnorm(x, g, 1e-5) if norm else x
     want = Wd @ _x_as_quantized(xs[0], 32767 if wide_x else 127).astype(np.float64)
-    args = [_t(x)] + ([_t(g)] if norm else []) + [_t(packed)]
+    args = [_t(x)] + ([_t(g)] if norm else []) + [_t(_stored(fmt, packed))]
     if epilogue == "bias":
         args.append(_t(bias))
         want = want + bias
@@ -199,14 +274,14 @@ def test_quantized_gemv(fmt, N, Ks, variant):
     _close(y.numpy()[0], want)
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("I,Ks", [(300, (160, 768))])
+@pytest.mark.parametrize("fmt,I,Ks", [(f, 300, (160, 768)) for f in QUANT_FORMATS] + [
+    (f, 296, (160, 0)) for f in X8_FORMATS])  # 296 = 18 runs of 16 and one of 8
 def test_quantized_gemv_swiglu(fmt, I, Ks):
     K = _k(fmt, *Ks)
     rng = np.random.default_rng(3)
     gate, gd = _weights(fmt, I, K, 4)
     up, ud = _weights(fmt, I, K, 5)
-    W = interleave_gate_up(gate, up)
+    W = _gate_up(fmt, gate, up)
     x = rng.standard_normal((1, K)).astype(np.float32)
     g = rng.uniform(0.5, 1.5, K).astype(np.float32)
     xq = _x_as_quantized(_rmsnorm(x, g, 1e-5)[0]).astype(np.float64)
@@ -243,16 +318,17 @@ LINEAR_CASES = [(f, "bias", LINEAR_TILES[0]) for f in QUANT_FORMATS] + [
 
 
 def _check_matmul_over_token_counts(factory, fmt, epilogue, seed, *options, qmax=None):
-    """One compiled prefill matmul (130 rows) over 1, 3 and 70 tokens against numpy: x as it
-    is, or (``qmax``) quantized per row as the decode GEMV quantizes it."""
-    N, K = 130, _k(fmt, 160, 768)
+    """One compiled prefill matmul (130 rows; interleaved: 136) over 1, 3 and 70 tokens against
+    numpy: x as it is, or (``qmax``) quantized per row as the decode GEMV quantizes it."""
+    N, K = 136 if fmt in X8_FORMATS else 130, _k(fmt, 160, 768)
     rng = np.random.default_rng(seed)
     packed, Wd = _weights(fmt, N, K)
     kernel = _compiled(factory, N, K, fmt, epilogue, *options)
     for n in (1, 3, 70):
         x = rng.standard_normal((n, K)).astype(np.float32)
         xs = x if qmax is None else np.stack([_x_as_quantized(r, qmax) for r in x])
-        _check_matmul(kernel, rng, x, packed, xs.astype(np.float64) @ Wd.T, epilogue)
+        _check_matmul(kernel, rng, x, _stored(fmt, packed), xs.astype(np.float64) @ Wd.T,
+                      epilogue)
 
 
 @pytest.mark.parametrize("fmt,epilogue,tile", LINEAR_CASES)
@@ -261,12 +337,35 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
     _check_matmul_over_token_counts(quant.linear, fmt, epilogue, 6, tile)
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-@pytest.mark.parametrize("int8", [False, True], ids=["float_tile", "int8_tile"])
+@pytest.mark.parametrize("fmt,epilogue", [(f, "bias") for f in X8_FORMATS] + [
+    ("q4_0x8", e) for e in ("none", "residual")])
+def test_interleaved_prefill_linear_takes_the_int8_tile(fmt, epilogue):
+    """Interleaved rows take the int8 tile at every K (it measured ~2x the float tile over
+    decoded weights on SmolLM2's 576-wide rows): 8 rows per tile, tokens 8, 4, 2, 1 at a time."""
+    tile = LINEAR_TILES[0]
+    assert quant.linear(136, 160, fmt, epilogue, tile).attrs["global_symbol"].startswith(
+        "matmul_i8_")
+    _check_matmul_over_token_counts(quant.linear, fmt, epilogue, 6, tile, qmax=127)
+
+
+@pytest.mark.parametrize("factory", ["gemv", "linear_int8"])
+def test_interleaved_rows_refuse_int16_x(factory):
+    """The LM head's int16 x (``wide_x``) has no interleaved kernel: the head keeps its rows."""
+    with pytest.raises(ValueError, match="int8 x only"):
+        getattr(quant, factory)(64, 256, "q4_0x8", "none", *([None] if factory == "gemv" else []),
+                                wide_x=True)
+
+
+@pytest.mark.parametrize("fmt,int8", [
+    pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
+    for f in QUANT_FORMATS for i in (False, True)] + [
+    pytest.param(f, True, id=f"{f}-int8_tile") for f in X8_FORMATS])
 def test_quantized_prefill_swiglu(fmt, int8):
     """The float tile over decoded weights (5 tokens) and the int8 tile (7: tiles of 4, 2, 1;
-    x quantized per row as the decode GEMV's)."""
-    I, K, n = 2 * GATE_UP_ROWS + 6, _k(fmt, 96, 256), 7 if int8 else 5
+    x quantized per row as the decode GEMV's); interleaved rows: I = 40, a run of 16 and one
+    of 8."""
+    I = 2 * GATE_UP_ROWS + (8 if fmt in X8_FORMATS else 6)
+    K, n = _k(fmt, 96, 256), 7 if int8 else 5
     rng = np.random.default_rng(7)
     gate, gd = _weights(fmt, I, K, 8)
     up, ud = _weights(fmt, I, K, 9)
@@ -276,7 +375,7 @@ def test_quantized_prefill_swiglu(fmt, int8):
     act = _t(np.zeros((n, I), np.float32))
     kernel = (_compiled(quant.linear_swiglu_int8, I, K, fmt) if int8 else
               _compiled(quant.linear_swiglu, I, K, fmt, TILES[False]["swiglu"]))
-    kernel(_t(x), _t(interleave_gate_up(gate, up)), act)
+    kernel(_t(x), _t(_gate_up(fmt, gate, up)), act)
     _close(act.numpy(), a / (1 + np.exp(-a)) * b)
 
 

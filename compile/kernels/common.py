@@ -7,7 +7,7 @@ import functools
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..formats import QUANT_FORMATS
+from ..formats import FORMATS
 from ..params import gate_up_row
 
 EPILOGUES = ("none", "bias", "residual")  # what a linear layer adds to its product
@@ -30,7 +30,7 @@ def pick_tile(n: int, candidates=(8, 4, 2, 1)) -> int:
 
 def dtype_tag(dtype: str) -> str:
     """A kernel name's tag for a weight dtype: f32 / f16, or a quantized format's name."""
-    if dtype in QUANT_FORMATS:
+    if FORMATS[dtype].quantized:
         return dtype
     return {"float32": "f32", "float16": "f16"}[dtype]
 

@@ -19,6 +19,12 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 ``linear.py`` over its block of up to 64 tokens (activations stay float32), which measured
 faster on short rows (docs/design.md).
 
+Rows interleaved by 8 (``formats._Rows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1 matrices): the
+same integer arithmetic with the group's 8 rows in the 8 lanes of one vector, x broadcast 4
+bytes at a time, so the unpacking, conversion and scaling of a unit serve 8 rows and no lane
+sum remains; the decode GEMVs and the int8 tiles (taken at every K and batch size: about 2x
+the float tile) have such variants (``gemv_x8``, ``linear_int8_x8``, ...).
+
 Embedding: the rows of the ids, decoded.
 """
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from ...formats import FORMATS, QBLOCK
+from ...formats import FORMATS, QBLOCK, ROW_GROUP
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import gemv_func, matmul_func, swiglu_matmul_func
@@ -150,10 +156,18 @@ def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False):
     return prepare
 
 
-def _check_fits(fmt, K: int):
+def _check_fits(fmt, K: int, N: int | None = None):
     if not fmt.fits(K):
         raise ValueError(f"{fmt.name} stores rows in blocks of {fmt.block}; K={K} is not a "
                          "multiple")
+    if N is not None and _grouped(fmt) and N % ROW_GROUP:
+        raise ValueError(f"{fmt.name} stores rows in groups of {ROW_GROUP}; N={N} is not a "
+                         "multiple")
+
+
+def _grouped(fmt) -> bool:
+    """Whether ``fmt`` interleaves rows (``formats._Rows8``): its kernels work on groups."""
+    return hasattr(fmt, "group_dot")
 
 
 @cached
@@ -164,6 +178,8 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     near ties; docs/design.md)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
+    if _grouped(fmt):
+        return gemv_x8(N, K, wfmt, epilogue, norm_eps, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
     dot = _row_dot(fmt, K, wide_x)
@@ -205,6 +221,8 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
     rows in alternating runs (``params.gate_up_row``)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
+    if _grouped(fmt):
+        return gemv_swiglu_x8(I, K, wfmt, norm_eps)
     NB = K // QBLOCK
     prepare = _prepare_x(K, norm_eps, True)
     dot = _row_dot(fmt, K)
@@ -265,7 +283,7 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``: the int8 tile where
     K >= ``INT8_MIN_K``, else the float tile over decoded weights (x float32, so ``wide_x``,
     the LM head's int16 x for the int8 tile, changes nothing there)."""
-    if K >= INT8_MIN_K:
+    if K >= INT8_MIN_K or _grouped(FORMATS[wfmt]):
         return linear_int8(N, K, wfmt, epilogue, wide_x)
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
@@ -303,7 +321,7 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
 def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs (the int8 tile where K >= ``INT8_MIN_K``)."""
-    if K >= INT8_MIN_K:
+    if K >= INT8_MIN_K or _grouped(FORMATS[wfmt]):
         return linear_swiglu_int8(I, K, wfmt)
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
@@ -487,6 +505,8 @@ def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool 
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
+    if _grouped(fmt):
+        return linear_int8_x8(N, K, wfmt, epilogue, wide_x)
     quantize_rows = _rows_quantizer(K, wide_x)
 
     def finish(tt):
@@ -525,6 +545,8 @@ def linear_swiglu_int8(I: int, K: int, wfmt: str):
     in alternating runs; x quantized to int8 as ``linear_int8``'s."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
+    if _grouped(fmt):
+        return linear_swiglu_int8_x8(I, K, wfmt)
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
     m0, co, rows = _task(I)
@@ -581,3 +603,277 @@ def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: boo
 def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int):
     """``linear_swiglu_int8`` for a batch bucket of ``rows`` rows."""
     return linear_swiglu_int8(I, K, wfmt)
+
+
+# ------------------------------------------------------------------ rows interleaved by 8
+# (``formats._Rows8``): lanes are the group's rows, so every kernel below computes 8 rows' dot
+# products in one float32x8 accumulator and reduces nothing across lanes
+def _x32(xq, count):
+    """The int8 x as int32, four weights per element (``group_dot`` broadcasts them)."""
+    return T.decl_buffer((count // 4,), "int32", data=xq.data)
+
+
+def _group_dot(fmt, K: int):
+    """``dot(Wv, x32, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
+    x quantized per 32-block to int8 (int32 view ``x32`` from element ``x0 / 4``, its blocks'
+    ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four accumulators."""
+    NB = K // QBLOCK
+    UB = fmt.unit_bytes
+    prefetch = prefetch_ahead_macro(ACCS * UB, "uint8",
+                                    PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT))
+
+    def unit(Wv, g, b, x32, xd, xsum, x0):
+        return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x32, x0 // 4 + b * 8),
+                              xd[x0 // QBLOCK + b], xsum[x0 // QBLOCK + b])
+
+    @T.macro
+    def dot(Wv, x32, xd, xsum, x0, Y, y0, g):
+        acc = T.decl_buffer((ACCS, 8), "float32")
+        for a in T.unroll(ACCS):
+            acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        flat = T.decl_buffer((Wv[0].shape[0] * Wv[0].shape[1],), "uint8", data=Wv[0].data)
+        for bo in range(NB // ACCS):
+            prefetch(flat, g * (NB * UB) + bo * (ACCS * UB))
+            for a in T.unroll(ACCS):
+                acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
+                    Wv, g, bo * ACCS + a, x32, xd, xsum, x0)
+        for a in T.unroll(NB % ACCS):
+            acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
+                Wv, g, NB // ACCS * ACCS + a, x32, xd, xsum, x0)
+        Y[T.ramp(y0, 1, 8)] = (acc[0, T.ramp(0, 1, 8)] + acc[1, T.ramp(0, 1, 8)]) + (
+            acc[2, T.ramp(0, 1, 8)] + acc[3, T.ramp(0, 1, 8)])
+
+    return dot
+
+
+def _no_wide_x(fmt, wide_x: bool):
+    if wide_x:  # the LM head keeps rows (``formats.interleaved``)
+        raise ValueError(f"{fmt.name}: interleaved rows take int8 x only (wide_x)")
+
+
+@cached
+def gemv_x8(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
+            wide_x: bool = False):
+    """``gemv`` over rows interleaved by 8: 16-row units of two groups."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K, N)
+    _no_wide_x(fmt, wide_x)
+    norm, NB, G = norm_eps is not None, K // QBLOCK, N // ROW_GROUP
+    prepare = _prepare_x(K, norm_eps or 0.0, norm)
+    dot = _group_dot(fmt, K)
+    run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
+    GU = RG // ROW_GROUP  # groups per unit
+
+    @T.macro
+    def unit(lane, u, W, xq, xd, xsum, y, bias, res):
+        Y = T.decl_buffer((RG,), "float32")
+        for gi in range(GU):
+            if u * GU + gi < G:
+                dot((W, as_int8(W), as_f16(W)), _x32(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
+                    u * GU + gi)
+        for r in range(T.min(RG, N - u * RG)):
+            if epilogue == "bias":
+                y[0, u * RG + r] = Y[r] + bias[u * RG + r]
+            elif epilogue == "residual":
+                y[0, u * RG + r] = Y[r] + res[0, u * RG + r]
+            else:
+                y[0, u * RG + r] = Y[r]
+
+    @T.macro
+    def body(x, g, W, y, bias, res):
+        xq = T.decl_buffer((K,), "int8")
+        xd = T.decl_buffer((NB,), "float32")
+        xsum = T.decl_buffer((NB,), "float32")
+        prepare(x, g, xq, xd, xsum)
+        run_units(unit, W, xq, xd, xsum, y, bias, res)
+
+    func = gemv_func(body, N, K, "uint8", epilogue, norm, _storage(fmt, N, K))
+    return finalize(func, f"gemv{'_norm' if norm else ''}_{epilogue}_{N}x{K}_{wfmt}")
+
+
+@cached
+def gemv_swiglu_x8(I: int, K: int, wfmt: str, norm_eps: float):
+    """``gemv_swiglu`` over rows interleaved by 8 (I a multiple of 8: a group never straddles
+    a gate run and an up run)."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K, I)
+    NB = K // QBLOCK
+    prepare = _prepare_x(K, norm_eps, True)
+    dot = _group_dot(fmt, K)
+    UT = SWIGLU_UNIT_TILES
+    UR = RG * UT
+    run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
+    gate_row, up_row = gate_up_rows(I)
+
+    @T.macro
+    def unit(lane, u, W, xq, xd, xsum, act):
+        Wv = (W, as_int8(W), as_f16(W))
+        gate = T.decl_buffer((UR,), "float32")
+        up = T.decl_buffer((UR,), "float32")
+        for t in range(UR // ROW_GROUP):
+            if u * UR + t * ROW_GROUP < I:
+                dot(Wv, _x32(xq, K), xd, xsum, 0, gate, t * ROW_GROUP,
+                    gate_row(u * UR + t * ROW_GROUP) // ROW_GROUP)
+                dot(Wv, _x32(xq, K), xd, xsum, 0, up, t * ROW_GROUP,
+                    up_row(u * UR + t * ROW_GROUP) // ROW_GROUP)
+            else:
+                gate[T.ramp(t * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+                up[T.ramp(t * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+        swiglu_store(act, gate, up, u, I)
+
+    @T.prim_func(s_tir=True)
+    def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
+             W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), act: T.Buffer((1, I), "float32")):
+        with T.sblock("root"):
+            xq = T.decl_buffer((K,), "int8")
+            xd = T.decl_buffer((NB,), "float32")
+            xsum = T.decl_buffer((NB,), "float32")
+            prepare(x, g, xq, xd, xsum)
+            run_units(unit, W, xq, xd, xsum, act)
+
+    return finalize(func, f"gemv_swiglu_{I}x{K}_{wfmt}")
+
+
+def _group_tile(fmt, K: int, tt: int):
+    """``tile(Wv, g, x32, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
+    ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
+    vectors between the unrolled tokens' uses)."""
+    NB = K // QBLOCK
+    chains = max(1, ACCS // tt)
+
+    def unit(Wv, g, b, x32, xd, xsum, m):
+        return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x32, m * (K // 4) + b * 8),
+                              xd[m * NB + b], xsum[m * NB + b])
+
+    @T.macro
+    def tile(Wv, g, x32, xd, xsum, m0, Y):
+        acc = T.decl_buffer((chains, tt, 8), "float32")
+        for h in T.unroll(chains):
+            for t in T.unroll(tt):
+                acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        for bo in range(NB // chains):
+            for h in T.unroll(chains):
+                for t in T.unroll(tt):
+                    acc[h, t, T.ramp(0, 1, 8)] = acc[h, t, T.ramp(0, 1, 8)] + unit(
+                        Wv, g, bo * chains + h, x32, xd, xsum, m0 + t)
+        for h in T.unroll(NB % chains):
+            for t in T.unroll(tt):
+                acc[h, t, T.ramp(0, 1, 8)] = acc[h, t, T.ramp(0, 1, 8)] + unit(
+                    Wv, g, NB // chains * chains + h, x32, xd, xsum, m0 + t)
+        for t in T.unroll(tt):
+            for h in T.unroll(chains - 1):
+                acc[0, t, T.ramp(0, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)] + acc[
+                    h + 1, t, T.ramp(0, 1, 8)]
+            Y[T.ramp(t * 8, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)]
+
+    return tile
+
+
+def _group_token_tiles(fmt, K: int, finish):
+    """``run(Wv, g, x32, xd, xsum, m0, rows, Y, a0, a1, a2, a3)``: group g against ``rows``
+    tokens from m0, tiles of ``TT`` tokens then 4, 2, 1 (``_token_tiles``' order)."""
+    tiles = {tt: (_group_tile(fmt, K, tt), finish(tt)) for tt in (TT, 4, 2, 1)}
+
+    @T.macro
+    def run(Wv, g, x32, xd, xsum, m0, rows, Y, a0, a1, a2, a3):
+        for mo in range(rows // TT):
+            tiles[TT][0](Wv, g, x32, xd, xsum, m0 + mo * TT, Y)
+            tiles[TT][1](Y, m0 + mo * TT, g, a0, a1, a2, a3)
+        if rows % TT >= 4:
+            tiles[4][0](Wv, g, x32, xd, xsum, m0 + rows // TT * TT, Y)
+            tiles[4][1](Y, m0 + rows // TT * TT, g, a0, a1, a2, a3)
+        if rows % 4 >= 2:
+            tiles[2][0](Wv, g, x32, xd, xsum, m0 + rows // 4 * 4, Y)
+            tiles[2][1](Y, m0 + rows // 4 * 4, g, a0, a1, a2, a3)
+        if rows % 2 == 1:
+            tiles[1][0](Wv, g, x32, xd, xsum, m0 + rows // 2 * 2, Y)
+            tiles[1][1](Y, m0 + rows // 2 * 2, g, a0, a1, a2, a3)
+
+    return run
+
+
+@cached
+def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False):
+    """``linear_int8`` over rows interleaved by 8: parallel tasks of (token block, group)."""
+    assert epilogue in EPILOGUES
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K, N)
+    _no_wide_x(fmt, wide_x)
+    G = N // ROW_GROUP
+    quantize_rows = _rows_quantizer(K, False)
+
+    def finish(tt):
+        @T.macro
+        def store(Y, m, g, y, bias, res, unused):
+            for t, r in T.grid(tt, ROW_GROUP):
+                if epilogue == "bias":
+                    y[m + t, g * ROW_GROUP + r] = Y[t * 8 + r] + bias[g * ROW_GROUP + r]
+                elif epilogue == "residual":
+                    y[m + t, g * ROW_GROUP + r] = Y[t * 8 + r] + res[m + t, g * ROW_GROUP + r]
+                else:
+                    y[m + t, g * ROW_GROUP + r] = Y[t * 8 + r]
+
+        return store
+
+    run = _group_token_tiles(fmt, K, finish)
+    m0, co, rows = _task(G)
+
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        xq, xd, xsum = _x_scratch(K, n, False)
+        quantize_rows(x, xq, xd, xsum, n)
+        for task in T.parallel((n + MB - 1) // MB * G):
+            Y = T.decl_buffer((TT * 8,), "float32")
+            run((W, as_int8(W), as_f16(W)), co(task), _x32(xq, n * K), xd, xsum, m0(task),
+                rows(task, n), Y, y, bias, res, 0)
+
+    func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
+    return finalize(func, f"matmul_i8_{epilogue}_{N}x{K}_{wfmt}")
+
+
+@cached
+def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
+    """``linear_swiglu_int8`` over rows interleaved by 8: tasks of (token block, 8 act rows)."""
+    fmt = FORMATS[wfmt]
+    _check_fits(fmt, K, I)
+    gate_row, up_row = gate_up_rows(I)
+    quantize_rows = _rows_quantizer(K, False)
+    GI = I // ROW_GROUP
+    m0, co, rows = _task(GI)
+    n = token_dim(None)
+
+    def finish_gate(tt):
+        @T.macro
+        def keep(Y, m, grp, G, first, act, c):
+            for t in T.unroll(tt):
+                G[T.ramp((m - first + t) * 8, 1, 8)] = Y[T.ramp(t * 8, 1, 8)]
+
+        return keep
+
+    def finish_up(tt):
+        @T.macro
+        def store(Y, m, grp, G, first, act, c):
+            for t, r in T.grid(tt, ROW_GROUP):
+                act[m + t, c * ROW_GROUP + r] = silu_mul(G[(m - first + t) * 8 + r],
+                                                         Y[t * 8 + r])
+
+        return store
+
+    run_gate = _group_token_tiles(fmt, K, finish_gate)
+    run_up = _group_token_tiles(fmt, K, finish_up)
+
+    @T.macro
+    def body(x, W, act, n):
+        xq, xd, xsum = _x_scratch(K, n, False)
+        quantize_rows(x, xq, xd, xsum, n)
+        for task in T.parallel((n + MB - 1) // MB * GI):
+            Wv = (W, as_int8(W), as_f16(W))
+            Y = T.decl_buffer((TT * 8,), "float32")
+            G = T.decl_buffer((MB * 8,), "float32")
+            run_gate(Wv, gate_row(co(task) * ROW_GROUP) // ROW_GROUP, _x32(xq, n * K), xd,
+                     xsum, m0(task), rows(task, n), Y, G, m0(task), act, co(task))
+            run_up(Wv, up_row(co(task) * ROW_GROUP) // ROW_GROUP, _x32(xq, n * K), xd, xsum,
+                   m0(task), rows(task, n), Y, G, m0(task), act, co(task))
+
+    func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
+    return finalize(func, f"matmul_i8_swiglu_{I}x{K}_{wfmt}")
