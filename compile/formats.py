@@ -20,9 +20,10 @@ s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen
 into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
 row-block layout allows.
 
-On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 take the same blocks with
-8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``; ``_Rows8``): a lossless regrouping
-made when the pack is written, which the CPU kernels read 8 rows per vector.
+On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K take the same blocks
+with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``; ``_Rows8``,
+``_KRows8``): a lossless regrouping made when the pack is written, which the CPU kernels read
+8 rows per vector.
 
 The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
 is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
@@ -650,22 +651,87 @@ class _Q6_K(WeightFormat):
 ROW_GROUP = 8  # rows per group of an interleaved layout: one 256-bit vector of float32 sums
 
 
-class _Rows8(WeightFormat):
-    """A 32-weight format with ``ROW_GROUP`` rows interleaved (the CPU's layout for q8_0 /
-    q4_0 / q4_1 matrices, lossless): stored ``(N / 8, K / 32 * 8 * block_bytes)``, each group's
-    unit ``b`` the eight rows' block ``b`` regrouped.  First each float16 field of the block
-    (d; Q4_1: d then m) for rows 0..7 (16 bytes per field), then the quants in 4-byte chunks:
-    chunk ``j`` holds bytes ``[4j, 4j + 4)`` of each row's quant bytes, row after row (32 bytes;
-    Q4 blocks have 4 chunks, whose low nibbles are weights 4j + i and high ones 16 + 4j + i,
-    Q8_0 8).  One 256-bit load of a chunk is 8 rows x 4 quants, so a ``vpmaddubsw`` against 4
-    bytes of x broadcast gives every row's partial sum in its own lanes: the eight rows share
-    the unpacking, the conversion and the scale, and no horizontal reduction remains
-    (docs/design.md: Quantized weights)."""
+def _x4(x32, i):
+    """int8x32: the 4 int8 x of int32 element ``i`` broadcast to 8 lanes (one per row)."""
+    return T.reinterpret("int8x32", T.broadcast(x32[i], ROW_GROUP))
+
+
+def _sum8(t):
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))
+
+
+class _Grouped(WeightFormat):
+    """A base format's blocks with ``ROW_GROUP`` rows interleaved (``base``): stored
+    ``(N / 8, K / block * unit_bytes)``, each group's block ``k`` the eight rows' block ``k``
+    regrouped (``group`` / ``ungroup``, lossless).  The CPU kernels' pieces work on a whole
+    group: ``group_dot`` (a 32-weight unit's integer dot products, lane r = row r) and
+    ``group_unit`` (their float contribution); nothing reads such a matrix by rows."""
+
+    def __init__(self, base: WeightFormat, block_bytes: int):
+        super().__init__(base.name + INTERLEAVED_SUFFIX, block_bytes, base.gguf_type)
+        object.__setattr__(self, "base", base)
+
+    @property
+    def block_weights(self) -> int:
+        return self.base.block
+
+    @property
+    def has_offset(self) -> bool:
+        return self.base.has_offset
+
+    @property
+    def unit_bytes(self) -> int:  # bytes of one group's block: 8 rows
+        return ROW_GROUP * self.block_bytes
+
+    @property
+    def step_bytes(self) -> int:  # bytes of one group's 32-weight unit (on average)
+        return self.unit_bytes * QBLOCK // self.block
+
+    def storage(self, N, K):
+        return (N // ROW_GROUP, K // self.block * self.unit_bytes), "uint8"
+
+    def quantize(self, w):
+        return self.group(self.base.quantize(w))
+
+    def dequantize(self, packed, K):
+        return self.base.dequantize(self.ungroup(packed), K)
+
+    def group(self, packed: np.ndarray) -> np.ndarray:
+        """Rows in the base format's layout ``(N, K / block * base bytes)`` -> this layout."""
+        raise NotImplementedError
+
+    def ungroup(self, grouped: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`group`."""
+        raise NotImplementedError
+
+    def _field8(self, Wv, g, base, field: int):
+        """float32x8: float16 field ``field`` of the 8 rows at the block's byte ``base``."""
+        return T.Cast("float32x8", Wv[2].vload([g, base // 2 + field * ROW_GROUP], "float16x8"))
+
+    # row-wise pieces for the float tile over decoded weights (prefill of short rows): row c is
+    # row c % 8 of group c // 8, its quant bytes gathered 4 at a time from the chunks
+    def _row_bytes16(self, Wv, c, at):
+        """uint8x16: row c's 4 bytes in each of the 4 chunks of 32 bytes from byte ``at``."""
+        four = [Wv[0].vload([c // ROW_GROUP, at + 32 * j + 4 * (c % ROW_GROUP)], "uint8x4")
+                for j in range(4)]
+        return _cat(_cat(four[0], four[1], 4), _cat(four[2], four[3], 4), 8)
+
+    def unit_scale(self, W8, c, b, half):  # the GPUs never get these layouts (``interleaved``)
+        raise NotImplementedError(f"{self.name} is a CPU layout")
+
+
+class _Rows8(_Grouped):
+    """Q8_0 / Q4_0 / Q4_1 with 8 rows interleaved (``q8_0x8``, ...).  A group's unit ``b``:
+    first each float16 field of the block (d; Q4_1: d then m) for rows 0..7 (16 bytes per
+    field), then the quants in 4-byte chunks: chunk ``j`` holds bytes ``[4j, 4j + 4)`` of each
+    row's quant bytes, row after row (32 bytes; Q4 blocks have 4 chunks, whose low nibbles
+    are weights 4j + i and high ones 16 + 4j + i, Q8_0 8).  One 256-bit load of a chunk is 8
+    rows x 4 quants, so a ``vpmaddubsw`` against 4 bytes of x broadcast gives every row's
+    partial sum in its own lanes: the eight rows share the unpacking, the conversion and the
+    scale, and no horizontal reduction remains (docs/design.md: Quantized weights)."""
 
     def __init__(self, base: WeightFormat):
-        super().__init__(base.name + INTERLEAVED_SUFFIX, base.block_bytes, base.gguf_type)
-        object.__setattr__(self, "base", base)
-        object.__setattr__(self, "has_offset", base.has_offset)
+        super().__init__(base, base.block_bytes)
 
     @property
     def fields(self) -> int:  # float16 fields per block (d; Q4_1: d, m)
@@ -675,21 +741,7 @@ class _Rows8(WeightFormat):
     def quant_bytes(self) -> int:
         return self.block_bytes - 2 * self.fields
 
-    @property
-    def unit_bytes(self) -> int:  # bytes of one group's unit: 8 blocks
-        return ROW_GROUP * self.block_bytes
-
-    def storage(self, N, K):
-        return (N // ROW_GROUP, K // QBLOCK * self.unit_bytes), "uint8"
-
-    def row_bytes(self, K):
-        return K // QBLOCK * self.block_bytes
-
-    def fits_rows(self, N: int) -> bool:
-        return N % ROW_GROUP == 0
-
-    def group(self, packed: np.ndarray) -> np.ndarray:
-        """Rows in the base format's layout ``(N, NB * block_bytes)`` -> this layout."""
+    def group(self, packed):
         n, nb = packed.shape[0], packed.shape[1] // self.block_bytes
         b = np.ascontiguousarray(packed).reshape(n // ROW_GROUP, ROW_GROUP, nb, self.block_bytes)
         h = 2 * self.fields
@@ -700,8 +752,7 @@ class _Rows8(WeightFormat):
         return np.ascontiguousarray(np.concatenate(
             [head.reshape(g, nb, -1), qs.reshape(g, nb, -1)], axis=2).reshape(g, -1))
 
-    def ungroup(self, grouped: np.ndarray) -> np.ndarray:
-        """The inverse of :meth:`group`."""
+    def ungroup(self, grouped):
         g, nb = grouped.shape[0], grouped.shape[1] // self.unit_bytes
         u = np.ascontiguousarray(grouped).reshape(g, nb, self.unit_bytes)
         h = 2 * self.fields * ROW_GROUP
@@ -712,66 +763,141 @@ class _Rows8(WeightFormat):
                                qs.reshape(g, ROW_GROUP, nb, -1)], axis=3)
         return np.ascontiguousarray(rows.reshape(g * ROW_GROUP, nb * self.block_bytes))
 
-    def quantize(self, w):
-        return self.group(self.base.quantize(w))
-
-    def dequantize(self, packed, K):
-        return self.base.dequantize(self.ungroup(packed), K)
-
-    # group-wise vector TIR (the CPU kernels' lanes are the group's 8 rows); Wv: views of the
-    # stored (N / 8, ...) matrix as uint8, int8, float16; x32: x quantized to int8, as int32
-    def _field8(self, Wv, g, b, field: int):
-        return T.Cast("float32x8", Wv[2].vload(
-            [g, b * (self.unit_bytes // 2) + field * ROW_GROUP], "float16x8"))
-
     def _chunk(self, Wv, g, b, j, dtype="uint8x32"):
         byte = b * self.unit_bytes + 2 * self.fields * ROW_GROUP + 32 * j
         return (Wv[0] if dtype.startswith("u") else Wv[1]).vload([g, byte], dtype)
 
     def group_dot(self, Wv, g, b, x32, x0):
-        """int32x8: lane r = sum_j q_j(row r) * x[x0 * 4 + j] over the unit's 32 weights (the
-        stored quants: Q4 unsigned 0..15), x32 the int8 x as int32 (4 weights per element)."""
-        def xb(j):
-            return T.reinterpret("int8x32", T.broadcast(x32[x0 + j], ROW_GROUP))
-
+        """int32x8: lane r = sum_j q_j(row r) * x_j over unit ``b``'s 32 weights (the stored
+        quants: Q4 unsigned 0..15), ``x32`` the int8 x as int32 from element ``x0``."""
         if self.base.name == "q8_0":
             # pair sums of int8 x int8 reach 2 * 128 * 127: each chunk to int32 on its own
             parts = []
             for j in range(8):
                 q = self._chunk(Wv, g, b, j, "int8x32")
-                s = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", xb(j), q)
+                s = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", _x4(x32, x0 + j),
+                                            q)
                 parts.append(_pairs_to_i32x8(_maddubs32(T.reinterpret("uint8x32", T.abs(q)), s)))
-            return ((parts[0] + parts[1]) + (parts[2] + parts[3])) + (
-                (parts[4] + parts[5]) + (parts[6] + parts[7]))
+            return _sum8(parts)
         terms = []
         low = T.broadcast(T.uint8(15), 32)
         for j in range(4):
             p = self._chunk(Wv, g, b, j)
-            terms.append(_maddubs32(T.bitwise_and(p, low), xb(j)))
+            terms.append(_maddubs32(T.bitwise_and(p, low), _x4(x32, x0 + j)))
             terms.append(_maddubs32(T.bitwise_and(T.shift_right(p, T.broadcast(T.uint8(4), 32)),
-                                                  low), xb(4 + j)))
+                                                  low), _x4(x32, x0 + 4 + j)))
         # eight int16 pair sums of at most 2 * 15 * 127 each: 30480 < 2^15
-        return _pairs_to_i32x8(((terms[0] + terms[1]) + (terms[2] + terms[3]))
-                               + ((terms[4] + terms[5]) + (terms[6] + terms[7])))
+        return _pairs_to_i32x8(_sum8(terms))
 
     def group_unit(self, Wv, g, b, dot, xd, xsum):
-        """float32x8: the unit's contribution to each row's dot product, from ``dot``
+        """float32x8: unit ``b``'s contribution to each row's dot product, from ``dot``
         (``group_dot``), the x block's scale ``xd`` and ``xsum`` = xd * sum(xq)."""
-        d = self._field8(Wv, g, b, 0)
+        d = self._field8(Wv, g, b * self.unit_bytes, 0)
         prod = T.Cast("float32x8", dot) * T.broadcast(xd, 8)
         if self.base.name == "q4_0":  # quants stored plus 8
             return d * (prod - T.broadcast(T.float32(8) * xsum, 8))
         if self.base.name == "q4_1":
-            return d * prod + self._field8(Wv, g, b, 1) * T.broadcast(xsum, 8)
+            return d * prod + self._field8(Wv, g, b * self.unit_bytes, 1) * T.broadcast(xsum, 8)
         return d * prod
 
-    # the row-wise pieces do not apply: every kernel over this layout works on whole groups
-    # (the embedding and the LM head, read by rows, keep the base layout: ``interleaved``)
     def scale(self, Wv, c, b):
-        raise NotImplementedError(f"{self.name} is read by groups of {ROW_GROUP} rows")
+        return T.Cast("float32", Wv[2][c // ROW_GROUP,
+                                       b * (self.unit_bytes // 2) + c % ROW_GROUP])
 
-    def unit_scale(self, W8, c, b, half):
-        raise NotImplementedError(f"{self.name} is read by groups of {ROW_GROUP} rows")
+    def offset(self, Wv, c, b):
+        if self.base.name == "q4_1":
+            return T.Cast("float32", Wv[2][c // ROW_GROUP, b * (self.unit_bytes // 2)
+                                           + ROW_GROUP + c % ROW_GROUP])
+        return self.scale(Wv, c, b) * T.float32(-8) if self.has_offset else None
+
+    def dequant16(self, Wv, c, b, half):
+        at = b * self.unit_bytes + 2 * self.fields * ROW_GROUP
+        if self.base.name == "q8_0":
+            q = T.Cast("float32x16", T.reinterpret("int8x16", self._row_bytes16(
+                Wv, c, at + 128 * half)))
+            return q * T.broadcast(self.scale(Wv, c, b), 16)
+        w = _nibbles16(self._row_bytes16(Wv, c, at), half) * T.broadcast(self.scale(Wv, c, b), 16)
+        return w + T.broadcast(self.offset(Wv, c, b), 16)
+
+
+class _KRows8(_Grouped):
+    """Q4_K with 8 rows interleaved (``q4_kx8``).  A group's super-block: d for rows 0..7 (16
+    bytes), dmin (16), the 6-bit sub-block scales unpacked to a byte each, sub-block after
+    sub-block (8 x 8 bytes), the mins likewise (64), then the nibbles in 4-byte chunks: chunk
+    ``(p, j)`` (p = 0..3, j = 0..7, 32 bytes) holds bytes ``[4j, 4j + 4)`` of each row's 32
+    bytes of sub-blocks 2p (low nibbles) and 2p + 1 (high), as ``_Rows8``'s chunks.  Unpacked
+    scales make a sub-block's eight scales one 8-byte load, for 1184 bytes per 8 super-blocks
+    instead of 1152 (4.625 bits per weight instead of 4.5)."""
+
+    QS = 160  # byte of the nibbles in a group's super-block
+
+    def __init__(self, base: WeightFormat):
+        super().__init__(base, base.block_bytes + 4)
+
+    def group(self, packed):
+        n, nsb = packed.shape[0], packed.shape[1] // self.base.block_bytes
+        g = n // ROW_GROUP
+        b = np.ascontiguousarray(packed).reshape(g, ROW_GROUP, nsb, self.base.block_bytes)
+        d = b[..., 0:4].reshape(g, ROW_GROUP, nsb, 2, 2).transpose(0, 2, 3, 1, 4)
+        sc, mn = (v.reshape(g, ROW_GROUP, nsb, 8).transpose(0, 2, 3, 1).astype(np.uint8)
+                  for v in _k_scales_mins(b[..., 4:16].reshape(-1, 12)))
+        qs = b[..., 16:].reshape(g, ROW_GROUP, nsb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5)
+        parts = [a.reshape(g, nsb, -1) for a in (d, sc, mn, qs)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(g, -1))
+
+    def ungroup(self, grouped):
+        g, nsb = grouped.shape[0], grouped.shape[1] // self.unit_bytes
+        u = np.ascontiguousarray(grouped).reshape(g, nsb, self.unit_bytes)
+        d = u[..., 0:32].reshape(g, nsb, 2, ROW_GROUP, 2).transpose(0, 3, 1, 2, 4)
+        sc, mn = (u[..., at:at + 64].reshape(g, nsb, 8, ROW_GROUP).transpose(0, 3, 1, 2)
+                  for at in (32, 96))
+        scales = _k_pack_scales(sc.reshape(-1, 8), mn.reshape(-1, 8))
+        qs = u[..., self.QS:].reshape(g, nsb, 4, 8, ROW_GROUP, 4).transpose(0, 4, 1, 2, 3, 5)
+        rows = np.concatenate([d.reshape(g, ROW_GROUP, nsb, 4),
+                               scales.reshape(g, ROW_GROUP, nsb, 12),
+                               qs.reshape(g, ROW_GROUP, nsb, 128)], axis=3)
+        return np.ascontiguousarray(rows.reshape(g * ROW_GROUP, nsb * self.base.block_bytes))
+
+    # TIR: unit b is sub-block s = b % 8 of super-block b // 8 (the kernels step whole
+    # super-blocks, so s is a constant)
+    def group_dot(self, Wv, g, b, x32, x0):
+        base, s = (b // 8) * self.unit_bytes, b % 8
+        shift = T.broadcast(T.Cast("uint8", (s % 2) * 4), 32)
+        low = T.broadcast(T.uint8(15), 32)
+        terms = [_maddubs32(T.bitwise_and(T.shift_right(Wv[0].vload(
+            [g, base + self.QS + (s // 2) * 256 + 32 * j], "uint8x32"), shift), low),
+            _x4(x32, x0 + j)) for j in range(8)]
+        return _pairs_to_i32x8(_sum8(terms))  # int16 pair sums as _Rows8's Q4: no saturation
+
+    def group_unit(self, Wv, g, b, dot, xd, xsum):
+        base, s = (b // 8) * self.unit_bytes, b % 8
+
+        def sub(at):
+            return T.Cast("float32x8", Wv[0].vload([g, base + at + 8 * s], "uint8x8"))
+
+        return (self._field8(Wv, g, base, 0) * sub(32)) * (
+            T.Cast("float32x8", dot) * T.broadcast(xd, 8)) - (
+            self._field8(Wv, g, base, 1) * sub(96)) * T.broadcast(xsum, 8)
+
+    def _sub(self, Wv, c, b, at):
+        return T.Cast("float32", Wv[0][c // ROW_GROUP, (b // 8) * self.unit_bytes + at
+                                       + 8 * (b % 8) + c % ROW_GROUP])
+
+    def scale(self, Wv, c, b):
+        return T.Cast("float32", Wv[2][c // ROW_GROUP, (b // 8) * (self.unit_bytes // 2)
+                                       + c % ROW_GROUP]) * self._sub(Wv, c, b, 32)
+
+    def offset(self, Wv, c, b):
+        return -(T.Cast("float32", Wv[2][c // ROW_GROUP, (b // 8) * (self.unit_bytes // 2)
+                                         + ROW_GROUP + c % ROW_GROUP]) * self._sub(Wv, c, b, 96))
+
+    def dequant16(self, Wv, c, b, half):
+        s = b % 8
+        at = (b // 8) * self.unit_bytes + self.QS + (s // 2) * 256 + 128 * half
+        q = T.bitwise_and(T.shift_right(self._row_bytes16(Wv, c, at), T.broadcast(
+            T.Cast("uint8", (s % 2) * 4), 16)), T.broadcast(T.uint8(15), 16))
+        return (T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b), 16)
+                + T.broadcast(self.offset(Wv, c, b), 16))
 
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
@@ -785,7 +911,8 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Q6_K("q6_k", 210, "Q6_K"),
 )}
 # the interleaved layouts: chosen per matrix for CPU targets (``interleaved``), never asked for
-INTERLEAVED = {f.base.name: f for f in (_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1"))}
+INTERLEAVED = {f.base.name: f for f in (
+    *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")), _KRows8(FORMATS["q4_k"]))}
 USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
 FORMATS.update({f.name: f for f in INTERLEAVED.values()})
 FLOAT_FORMATS = ("float32", "float16")

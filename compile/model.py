@@ -100,8 +100,7 @@ class _Builder:
     def _small_rows(self, wdt: str) -> bool:
         """Whether this batch bucket is small enough for the small-batch kernels (float: the
         GEMVs streaming each weight row once for all rows; quantized: the int8 tiles)."""
-        limit = self.k.small_rows_quant if FORMATS[wdt].quantized else self.k.small_rows
-        return self.rows is not None and self.rows <= limit
+        return self.rows is not None and self.rows <= self.k.small_rows_limit(wdt)
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""

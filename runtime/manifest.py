@@ -66,7 +66,8 @@ _RULES = {
 # the batch buckets a CPU artifact gets unless told (GPU kernel sets have none yet)
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 # a stored format's name ends in this where its rows are interleaved in groups (the CPU's
-# layout of q8_0 / q4_0 / q4_1; compile/formats.py): the same format to whoever chooses it
+# layout of q8_0 / q4_0 / q4_1 / q4_k; compile/formats.py): the same format to whoever
+# chooses it
 INTERLEAVED_SUFFIX = "x8"
 
 

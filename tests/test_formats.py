@@ -67,27 +67,49 @@ def test_dequantize_is_bit_exact_with_gguf_on_random_blocks(fmt):
 X8_FORMATS = tuple(f.name for f in INTERLEAVED.values())
 
 
+def _scale_min_k4(q, j: int) -> tuple[int, int]:
+    """ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from a Q4_K block's 12
+    scale bytes ``q``."""
+    q = [int(v) for v in q]
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def _layout_checks(f, packed, grouped, g, r, k):
+    """Row ``g * 8 + r``'s block ``k`` against its place in ``grouped`` (the layouts of
+    ``formats._Rows8`` / ``_KRows8``): (what the group holds, what the row's block holds)."""
+    block = packed[g * 8 + r, k * f.base.block_bytes:(k + 1) * f.base.block_bytes]
+    unit = grouped[g, k * f.unit_bytes:(k + 1) * f.unit_bytes]
+    fields = getattr(f, "fields", 2)
+    pairs = [(unit[16 * i + 2 * r:16 * i + 2 * r + 2], block[2 * i:2 * i + 2])
+             for i in range(fields)]  # float16 d (m / dmin)
+    if f.base.name == "q4_k":
+        pairs += [((unit[32 + 8 * s + r], unit[96 + 8 * s + r]), _scale_min_k4(block[4:16], s))
+                  for s in range(8)]
+        pairs += [(unit[160 + 256 * p + 32 * j + 4 * r:][:4], block[16 + 32 * p + 4 * j:][:4])
+                  for p in range(4) for j in range(8)]
+    else:
+        pairs += [(unit[16 * fields + 32 * j + 4 * r:][:4], block[2 * fields + 4 * j:][:4])
+                  for j in range(f.quant_bytes // 4)]
+    return pairs
+
+
 @pytest.mark.parametrize("fmt", X8_FORMATS)
 def test_interleaved_rows_are_the_base_blocks_regrouped(fmt):
     """group / ungroup are inverse and lossless; the layout is the documented one (row r's
-    scale at byte 2 r of its group's unit, its quant bytes 4 j .. 4 j + 3 in chunk j); the
-    dequantized values are gguf's for the base blocks."""
-    f, K, rows = FORMATS[fmt], 96, 2 * ROW_GROUP
-    base = f.base.name
+    scale at byte 2 r of its group's block, its quant bytes 4 j .. 4 j + 3 in chunk j; Q4_K:
+    the 6-bit scales and mins a byte each); the dequantized values are gguf's for the base
+    blocks."""
+    f, rows = FORMATS[fmt], 2 * ROW_GROUP
+    K, base = _k(fmt, 96, 768), f.base.name
     packed = _random_blocks(base, rows, K, seed=3)
     grouped = f.group(packed)
-    assert grouped.shape == f.storage(rows, K)[0] == (2, K // 32 * 8 * f.block_bytes)
+    assert grouped.shape == f.storage(rows, K)[0] == (2, K // f.block * 8 * f.block_bytes)
     np.testing.assert_array_equal(f.ungroup(grouped), packed)
-    head = 2 * f.fields
-    for g, r, b in ((0, 0, 0), (1, 5, 2), (1, 7, 1)):
-        block = packed[g * 8 + r, b * f.block_bytes:(b + 1) * f.block_bytes]
-        unit = grouped[g, b * f.unit_bytes:(b + 1) * f.unit_bytes]
-        for field in range(f.fields):
-            at = field * 16 + 2 * r
-            np.testing.assert_array_equal(unit[at:at + 2], block[2 * field:2 * field + 2])
-        for j in range(f.quant_bytes // 4):
-            at = 16 * f.fields + 32 * j + 4 * r
-            np.testing.assert_array_equal(unit[at:at + 4], block[head + 4 * j:head + 4 * j + 4])
+    for g, r, k in ((0, 0, 0), (1, 5, 2), (1, 7, 1)):
+        for ours, theirs in _layout_checks(f, packed, grouped, g, r, k):
+            np.testing.assert_array_equal(ours, theirs, err_msg=f"group {g} row {r} block {k}")
     theirs = gguf_dequantize(packed, _gguf_type(base)).reshape(rows, K)
     np.testing.assert_array_equal(f.dequantize(grouped, K), theirs.astype(np.float32))
 
@@ -153,8 +175,8 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
         smollm_gguf):
     """On a CPU target SmolLM2's Q4_1 matrices take the interleaved layout and the Q8_0
     embedding (the tied LM head) keeps its rows; the pack holds the file's blocks regrouped
-    (ungrouped: the bytes the plain layout holds).  A k-quant keeps its rows, and so does
-    a w_gate_up whose act rows do not fill groups of 8."""
+    (ungrouped: the bytes the plain layout holds).  Q6_K keeps its rows, and so does a
+    w_gate_up whose act rows do not fill groups of 8."""
     import dataclasses
 
     from paged_decode.compile.config import preset
@@ -171,8 +193,8 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
     np.testing.assert_array_equal(grouped["embed"], plain["embed"])
 
     cfg = preset("llama-160m")
-    assert interleave_formats(cfg, "q4_k", (("lm_head", "q8_0"),)) == (
-        "q4_k", (("lm_head", "q8_0"),))
+    assert interleave_formats(cfg, "q6_k", (("lm_head", "q8_0"),)) == (
+        "q6_k", (("lm_head", "q8_0"),))
     odd = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 4)
     got = dict(interleave_formats(odd, "q4_0", (("lm_head", "q8_0"),))[1])
     assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0"
@@ -275,7 +297,7 @@ def test_quantized_gemv(fmt, N, Ks, variant):
 
 
 @pytest.mark.parametrize("fmt,I,Ks", [(f, 300, (160, 768)) for f in QUANT_FORMATS] + [
-    (f, 296, (160, 0)) for f in X8_FORMATS])  # 296 = 18 runs of 16 and one of 8
+    (f, 296, (160, 768)) for f in X8_FORMATS])  # 296 = 18 runs of 16 and one of 8
 def test_quantized_gemv_swiglu(fmt, I, Ks):
     K = _k(fmt, *Ks)
     rng = np.random.default_rng(3)
@@ -313,7 +335,7 @@ def _check_matmul(kernel, rng, x, packed, want, epilogue):
 LINEAR_TILES = sorted({t["linear"] for t in TILES.values()})
 # every format through one epilogue and tile; the epilogues and tiles, shared by all formats,
 # with one 32-weight format and one k-quant
-LINEAR_CASES = [(f, "bias", LINEAR_TILES[0]) for f in QUANT_FORMATS] + [
+LINEAR_CASES = [(f, "bias", LINEAR_TILES[0]) for f in QUANT_FORMATS + X8_FORMATS] + [
     (f, e, t) for f in ("q4_0", "q6_k") for e in ("none", "residual") for t in LINEAR_TILES]
 
 
@@ -337,17 +359,6 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
     _check_matmul_over_token_counts(quant.linear, fmt, epilogue, 6, tile)
 
 
-@pytest.mark.parametrize("fmt,epilogue", [(f, "bias") for f in X8_FORMATS] + [
-    ("q4_0x8", e) for e in ("none", "residual")])
-def test_interleaved_prefill_linear_takes_the_int8_tile(fmt, epilogue):
-    """Interleaved rows take the int8 tile at every K (it measured ~2x the float tile over
-    decoded weights on SmolLM2's 576-wide rows): 8 rows per tile, tokens 8, 4, 2, 1 at a time."""
-    tile = LINEAR_TILES[0]
-    assert quant.linear(136, 160, fmt, epilogue, tile).attrs["global_symbol"].startswith(
-        "matmul_i8_")
-    _check_matmul_over_token_counts(quant.linear, fmt, epilogue, 6, tile, qmax=127)
-
-
 @pytest.mark.parametrize("factory", ["gemv", "linear_int8"])
 def test_interleaved_rows_refuse_int16_x(factory):
     """The LM head's int16 x (``wide_x``) has no interleaved kernel: the head keeps its rows."""
@@ -359,7 +370,8 @@ def test_interleaved_rows_refuse_int16_x(factory):
 @pytest.mark.parametrize("fmt,int8", [
     pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
     for f in QUANT_FORMATS for i in (False, True)] + [
-    pytest.param(f, True, id=f"{f}-int8_tile") for f in X8_FORMATS])
+    pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
+    for f in X8_FORMATS for i in (False, True)])
 def test_quantized_prefill_swiglu(fmt, int8):
     """The float tile over decoded weights (5 tokens) and the int8 tile (7: tiles of 4, 2, 1;
     x quantized per row as the decode GEMV's); interleaved rows: I = 40, a run of 16 and one
@@ -381,8 +393,9 @@ def test_quantized_prefill_swiglu(fmt, int8):
 
 # the int8 tiles (small batch buckets): every format with one epilogue, the other epilogues and
 # the LM head's int16 x with one 32-weight format and one k-quant
-INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS] + [
-    (f, e, w) for f in ("q4_1", "q4_k") for e, w in (("none", True), ("residual", False))]
+INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS + X8_FORMATS] + [
+    (f, e, w) for f in ("q4_1", "q4_k") for e, w in (("none", True), ("residual", False))] + [
+    ("q4_0x8", e, False) for e in ("none", "residual")]
 
 
 @pytest.mark.parametrize("fmt,epilogue,wide_x", INT8_CASES)
@@ -422,3 +435,15 @@ def test_quantized_embedding_is_the_exact_dequantized_row(fmt):
     bad = _t(np.array([V], np.int32))
     with pytest.raises(Exception, match="out of range"):
         kernel(bad, _t(packed), _t(np.zeros((1, H), np.float32)))
+
+
+def test_batch_buckets_over_interleaved_rows_take_the_int8_tile():
+    """Every batch bucket over interleaved rows takes the int8 tile (the decode GEMV's
+    arithmetic); other quantized formats up to SMALL_ROWS rows, float weights up to theirs."""
+    from paged_decode.compile.kernels.cpu.batch import SMALL_ROWS as FLOAT_SMALL_ROWS
+    from paged_decode.compile.kernels.registry import kernels_for
+
+    k = kernels_for("llvm")
+    assert all(k.small_rows_limit(f) >= 1024 for f in X8_FORMATS)
+    assert k.small_rows_limit("q4_0") == k.small_rows_limit("q6_k") == quant.SMALL_ROWS
+    assert k.small_rows_limit("float16") == FLOAT_SMALL_ROWS

@@ -130,21 +130,24 @@ def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
     from gguf.quants import dequantize, quantize
     from safetensors.numpy import load_file
 
-    from paged_decode.compile.formats import FORMATS
+    from paged_decode.compile.formats import FORMATS, INTERLEAVED
     from paged_decode.compile.weights import resolve_model
 
     opts = {"block_size": 4, "max_context": 64}
     a32, w32 = load(llama_ckpt.path, **opts)
     aq, wq = load(llama_ckpt.path, weight_dtype=fmt, **opts)
-    assert aq.manifest.weight_dtype == fmt
-    assert aq.manifest.key["weight_formats"] == ({} if fmt == "q8_0" else {"lm_head": "q8_0"})
+    # the CPU layout: layers' rows interleaved by 8, the embedding and LM head by rows
+    assert aq.manifest.weight_dtype == INTERLEAVED[fmt].name
+    formats = aq.manifest.key["weight_formats"]
+    assert formats == {"embed": fmt, "lm_head": "q8_0"}
     packed = load_file(str(build(llama_ckpt.path, weight_dtype=fmt, **opts).weights_dir
                            / "params.safetensors"))
     floats = resolve_model(str(llama_ckpt.path)).load_params("float32")
     qtype = GGMLQuantizationType[FORMATS[fmt].gguf_type]
     for name in ("layers.0.wqkv", "layers.1.w_gate_up", "layers.0.w_down", "embed"):
         K = floats[name].shape[1]
-        np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed[name], K),
+        stored = FORMATS[formats.get(name, aq.manifest.weight_dtype)]
+        np.testing.assert_array_equal(stored.dequantize(packed[name], K),
                                       dequantize(quantize(floats[name], qtype), qtype)
                                       .reshape(floats[name].shape), err_msg=name)
     assert packed["lm_head"].dtype == np.uint8
@@ -178,7 +181,7 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
     tensor in its own format: the pack holds the file's bytes, and logits follow transformers
     on the file's dequantized weights."""
     from paged_decode.compile.formats import FORMATS
-    from paged_decode.compile.weights import resolve_formats, resolve_model
+    from paged_decode.compile.weights import interleave_formats, resolve_formats, resolve_model
 
     from .conftest import NATIVE_VS_DEQUANT_RTOL
     from .test_weights import write_llama_gguf
@@ -204,8 +207,11 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
             np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed, want.shape[1]), want,
                                           err_msg=name)
     artifact, weights = load(path, block_size=4, max_context=64)
-    assert artifact.manifest.weight_dtype == "q4_k"
-    assert artifact.manifest.key["weight_formats"] == dict(others)
+    # the CPU layout: Q4_K rows interleaved by 8 (the others keep rows)
+    base8, others8 = interleave_formats(cfg, base, others)
+    assert base8 == "q4_kx8" and dict(others8) == {**dict(others), "embed": "q4_k"}
+    assert artifact.manifest.weight_dtype == base8
+    assert artifact.manifest.key["weight_formats"] == dict(others8)
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
     want = _hf_logits(source.config, floats, PROMPT + tokens)[len(PROMPT) - 1:]
     scale = np.abs(want).max()
@@ -220,8 +226,8 @@ def test_hf_checkpoint_quantized_to_q4_k_tracks_float(load, llama_wide_ckpt):
 
     artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k", block_size=4,
                              max_context=64)
-    assert artifact.manifest.weight_dtype == "q4_k"
-    assert artifact.manifest.key["weight_formats"] == {"lm_head": "q8_0"}
+    assert artifact.manifest.weight_dtype == "q4_kx8"  # the CPU layout
+    assert artifact.manifest.key["weight_formats"] == {"embed": "q4_k", "lm_head": "q8_0"}
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
     source = resolve_model(str(llama_wide_ckpt.path))
     want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ..formats import FORMATS
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
@@ -41,9 +43,17 @@ class KernelSet:
     linear_swiglu_rows: Callable | None = None
     small_rows: int = 0
     small_rows_quant: int = 0
+    small_rows_interleaved: int = 0  # matrices with rows interleaved (``formats.interleaved``)
     # whether a quantized LM head's kernels take int16 activations (``wide_x``: the CPU's
     # integer dot products; the GPU kernels keep x float32)
     quant_head_wide_x: bool = False
+
+    def small_rows_limit(self, wdt: str) -> int:
+        """The largest batch bucket the small-batch kernels serve for weights in ``wdt``."""
+        fmt = FORMATS[wdt]
+        if hasattr(fmt, "base"):
+            return self.small_rows_interleaved
+        return self.small_rows_quant if fmt.quantized else self.small_rows
 
 
 # Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have

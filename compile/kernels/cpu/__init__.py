@@ -54,4 +54,5 @@ def cpu_kernels(avx512: bool = True) -> KernelSet:
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
                      _by_format(batch.gemv_rows, quant.linear_rows),
                      _by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows),
-                     batch.SMALL_ROWS, quant.SMALL_ROWS, quant_head_wide_x=True)
+                     batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
+                     quant_head_wide_x=True)

@@ -19,11 +19,12 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 ``linear.py`` over its block of up to 64 tokens (activations stay float32), which measured
 faster on short rows (docs/design.md).
 
-Rows interleaved by 8 (``formats._Rows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1 matrices): the
-same integer arithmetic with the group's 8 rows in the 8 lanes of one vector, x broadcast 4
+Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1
+/ Q4_K matrices): the same integer arithmetic with the group's 8 rows in the 8 lanes of one vector, x broadcast 4
 bytes at a time, so the unpacking, conversion and scaling of a unit serve 8 rows and no lane
-sum remains; the decode GEMVs and the int8 tiles (taken at every K and batch size: about 2x
-the float tile) have such variants (``gemv_x8``, ``linear_int8_x8``, ...).
+sum remains; the decode GEMVs and the int8 tiles have such variants (``gemv_x8``,
+``linear_int8_x8``, ...), and the int8 tile serves every batch bucket over them (about 2x the
+float tile at 4-128 rows); the float tile reads them through row-wise pieces.
 
 Embedding: the rows of the ids, decoded.
 """
@@ -283,7 +284,7 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``: the int8 tile where
     K >= ``INT8_MIN_K``, else the float tile over decoded weights (x float32, so ``wide_x``,
     the LM head's int16 x for the int8 tile, changes nothing there)."""
-    if K >= INT8_MIN_K or _grouped(FORMATS[wfmt]):
+    if K >= INT8_MIN_K:
         return linear_int8(N, K, wfmt, epilogue, wide_x)
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
@@ -321,7 +322,7 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
 def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs (the int8 tile where K >= ``INT8_MIN_K``)."""
-    if K >= INT8_MIN_K or _grouped(FORMATS[wfmt]):
+    if K >= INT8_MIN_K:
         return linear_swiglu_int8(I, K, wfmt)
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
@@ -593,6 +594,9 @@ def linear_swiglu_int8(I: int, K: int, wfmt: str):
 # ones and prefill the float tile over decoded weights, which measured faster from 8 rows on
 # (docs/design.md: Batched decode)
 SMALL_ROWS = 4
+# interleaved rows: the int8 tile at every bucket (about 2x the float tile at 4-128 rows on
+# SmolLM2's and the 1.1B shape's matrices; docs/design.md)
+SMALL_ROWS_INTERLEAVED = 1 << 20
 
 
 def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: bool = False):
@@ -616,10 +620,11 @@ def _x32(xq, count):
 def _group_dot(fmt, K: int):
     """``dot(Wv, x32, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
     x quantized per 32-block to int8 (int32 view ``x32`` from element ``x0 / 4``, its blocks'
-    ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four accumulators."""
+    ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four accumulators; a
+    k-quant steps whole super-blocks (8 units), so each unit's sub-block is a constant."""
     NB = K // QBLOCK
-    UB = fmt.unit_bytes
-    prefetch = prefetch_ahead_macro(ACCS * UB, "uint8",
+    U = max(ACCS, fmt.block // QBLOCK)
+    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8",
                                     PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT))
 
     def unit(Wv, g, b, x32, xd, xsum, x0):
@@ -632,14 +637,14 @@ def _group_dot(fmt, K: int):
         for a in T.unroll(ACCS):
             acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
         flat = T.decl_buffer((Wv[0].shape[0] * Wv[0].shape[1],), "uint8", data=Wv[0].data)
-        for bo in range(NB // ACCS):
-            prefetch(flat, g * (NB * UB) + bo * (ACCS * UB))
-            for a in T.unroll(ACCS):
-                acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
-                    Wv, g, bo * ACCS + a, x32, xd, xsum, x0)
-        for a in T.unroll(NB % ACCS):
+        for bo in range(NB // U):
+            prefetch(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
+            for a in T.unroll(U):
+                acc[a % ACCS, T.ramp(0, 1, 8)] = acc[a % ACCS, T.ramp(0, 1, 8)] + unit(
+                    Wv, g, bo * U + a, x32, xd, xsum, x0)
+        for a in T.unroll(NB % U):
             acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
-                Wv, g, NB // ACCS * ACCS + a, x32, xd, xsum, x0)
+                Wv, g, NB // U * U + a, x32, xd, xsum, x0)
         Y[T.ramp(y0, 1, 8)] = (acc[0, T.ramp(0, 1, 8)] + acc[1, T.ramp(0, 1, 8)]) + (
             acc[2, T.ramp(0, 1, 8)] + acc[3, T.ramp(0, 1, 8)])
 
@@ -737,9 +742,11 @@ def gemv_swiglu_x8(I: int, K: int, wfmt: str, norm_eps: float):
 def _group_tile(fmt, K: int, tt: int):
     """``tile(Wv, g, x32, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
     ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
-    vectors between the unrolled tokens' uses)."""
+    vectors between the unrolled tokens' uses).  Below 4 tokens, units take ``ACCS / tt``
+    accumulator chains in turn (``_tile_dot``); a k-quant steps whole super-blocks."""
     NB = K // QBLOCK
     chains = max(1, ACCS // tt)
+    U = max(chains, fmt.block // QBLOCK)
 
     def unit(Wv, g, b, x32, xd, xsum, m):
         return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x32, m * (K // 4) + b * 8),
@@ -751,15 +758,15 @@ def _group_tile(fmt, K: int, tt: int):
         for h in T.unroll(chains):
             for t in T.unroll(tt):
                 acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
-        for bo in range(NB // chains):
-            for h in T.unroll(chains):
+        for bo in range(NB // U):
+            for a in T.unroll(U):
                 for t in T.unroll(tt):
-                    acc[h, t, T.ramp(0, 1, 8)] = acc[h, t, T.ramp(0, 1, 8)] + unit(
-                        Wv, g, bo * chains + h, x32, xd, xsum, m0 + t)
-        for h in T.unroll(NB % chains):
+                    acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + (
+                        unit(Wv, g, bo * U + a, x32, xd, xsum, m0 + t))
+        for a in T.unroll(NB % U):
             for t in T.unroll(tt):
-                acc[h, t, T.ramp(0, 1, 8)] = acc[h, t, T.ramp(0, 1, 8)] + unit(
-                    Wv, g, NB // chains * chains + h, x32, xd, xsum, m0 + t)
+                acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + unit(
+                    Wv, g, NB // U * U + a, x32, xd, xsum, m0 + t)
         for t in T.unroll(tt):
             for h in T.unroll(chains - 1):
                 acc[0, t, T.ramp(0, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)] + acc[
