@@ -51,6 +51,12 @@ class WeightFormat:
 
     has_offset = False  # whether ``offset`` gives a term (set by the formats that have one)
     block_weights = QBLOCK  # weights per stored block (quantized formats)
+    grouped = False  # rows interleaved in groups (``_Grouped``); ``rows``: the row layout
+
+    @property
+    def rows(self) -> WeightFormat:
+        """The format whose row layout this one stores (itself unless ``grouped``)."""
+        return self
 
     @property
     def quantized(self) -> bool:
@@ -667,9 +673,15 @@ class _Grouped(WeightFormat):
     group: ``group_dot`` (a 32-weight unit's integer dot products, lane r = row r) and
     ``group_unit`` (their float contribution); nothing reads such a matrix by rows."""
 
+    grouped = True
+
     def __init__(self, base: WeightFormat, block_bytes: int):
         super().__init__(base.name + INTERLEAVED_SUFFIX, block_bytes, base.gguf_type)
         object.__setattr__(self, "base", base)
+
+    @property
+    def rows(self) -> WeightFormat:
+        return self.base
 
     @property
     def block_weights(self) -> int:

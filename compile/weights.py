@@ -208,12 +208,11 @@ def _assemble(cfg: ModelConfig, get, specs, raw=None) -> dict[str, np.ndarray]:
         parts = _hf_parts(cfg, spec.name)
         fmt = FORMATS[spec.format]
         if raw is not None and spec.logical and fmt.quantized:
-            rows = getattr(fmt, "base", fmt)  # an interleaved layout regroups the file's rows
-            pieces = [raw(hf_name, rows.name) for hf_name, _shape in parts]
+            # an interleaved layout regroups the file's rows
+            pieces = [raw(hf_name, fmt.rows.name) for hf_name, _shape in parts]
             if all(p is not None for p in pieces):
                 joined = _join(spec.name, pieces)
-                out[spec.name] = np.ascontiguousarray(
-                    fmt.group(joined) if rows is not fmt else joined)
+                out[spec.name] = np.ascontiguousarray(fmt.group(joined) if fmt.grouped else joined)
                 continue
         pieces = []
         for hf_name, shape in parts:

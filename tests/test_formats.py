@@ -240,13 +240,12 @@ def _close(got, want):
 def _weights(fmt, N, K, seed=0):
     """(stored rows, float64 dequantized); an interleaved format's rows in its base layout,
     so that ``_gate_up`` can join them (``_stored`` gives the kernels' layout)."""
-    return quantized_weights(getattr(FORMATS[fmt], "base", FORMATS[fmt]).name, N, K, seed,
-                             scale=0.1)
+    return quantized_weights(FORMATS[fmt].rows.name, N, K, seed, scale=0.1)
 
 
 def _stored(fmt, rows):
     """Rows of ``_weights`` as ``fmt`` stores them (interleaved formats: grouped)."""
-    return FORMATS[fmt].group(rows) if fmt in X8_FORMATS else rows
+    return FORMATS[fmt].group(rows) if FORMATS[fmt].grouped else rows
 
 
 def _gate_up(fmt, gate, up):

@@ -51,7 +51,7 @@ class KernelSet:
     def small_rows_limit(self, wdt: str) -> int:
         """The largest batch bucket the small-batch kernels serve for weights in ``wdt``."""
         fmt = FORMATS[wdt]
-        if hasattr(fmt, "base"):
+        if fmt.grouped:
             return self.small_rows_interleaved
         return self.small_rows_quant if fmt.quantized else self.small_rows
 

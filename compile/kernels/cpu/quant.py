@@ -20,9 +20,9 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 faster on short rows (docs/design.md).
 
 Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1
-/ Q4_K matrices): the same integer arithmetic with the group's 8 rows in the 8 lanes of one vector, x broadcast 4
-bytes at a time, so the unpacking, conversion and scaling of a unit serve 8 rows and no lane
-sum remains; the decode GEMVs and the int8 tiles have such variants (``gemv_x8``,
+/ Q4_K matrices): the same integer arithmetic with the group's 8 rows in the 8 lanes of one
+vector, x broadcast 4 bytes at a time, so the unpacking, conversion and scaling of a unit serve
+8 rows and no lane sum remains; the decode GEMVs and the int8 tiles have such variants (``gemv_x8``,
 ``linear_int8_x8``, ...), and the int8 tile serves every batch bucket over them (about 2x the
 float tile at 4-128 rows); the float tile reads them through row-wise pieces.
 
@@ -161,14 +161,9 @@ def _check_fits(fmt, K: int, N: int | None = None):
     if not fmt.fits(K):
         raise ValueError(f"{fmt.name} stores rows in blocks of {fmt.block}; K={K} is not a "
                          "multiple")
-    if N is not None and _grouped(fmt) and N % ROW_GROUP:
+    if N is not None and fmt.grouped and N % ROW_GROUP:
         raise ValueError(f"{fmt.name} stores rows in groups of {ROW_GROUP}; N={N} is not a "
                          "multiple")
-
-
-def _grouped(fmt) -> bool:
-    """Whether ``fmt`` interleaves rows (``formats._Rows8``): its kernels work on groups."""
-    return hasattr(fmt, "group_dot")
 
 
 @cached
@@ -179,7 +174,7 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     near ties; docs/design.md)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
-    if _grouped(fmt):
+    if fmt.grouped:
         return gemv_x8(N, K, wfmt, epilogue, norm_eps, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
@@ -222,7 +217,7 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
     rows in alternating runs (``params.gate_up_row``)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
-    if _grouped(fmt):
+    if fmt.grouped:
         return gemv_swiglu_x8(I, K, wfmt, norm_eps)
     NB = K // QBLOCK
     prepare = _prepare_x(K, norm_eps, True)
@@ -466,11 +461,10 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
     return tile
 
 
-def _token_tiles(fmt, K: int, wide: bool, finish):
-    """``run(Wv, c, xq, xd, xsum, m0, rows, Y, a0, a1, a2, a3)``: row c against ``rows`` tokens
-    from m0, 8 at a time, then tiles of 4, 2, 1 for the rest; ``finish(tt)`` gives the macro
-    ``(Y, m, c, a0, a1, a2, a3)`` that stores each tile of ``tt`` tokens from m."""
-    tiles = {tt: (_tile_dot(fmt, K, tt, wide), finish(tt)) for tt in (TT, 4, 2, 1)}
+def _run_tiles(tiles):
+    """``run(Wv, c, xq, xd, xsum, m0, rows, Y, a0, a1, a2, a3)``: ``tiles[tt]`` = (tile macro,
+    store macro) for ``tt`` in (TT, 4, 2, 1) over ``rows`` tokens from m0: tiles of ``TT``,
+    then of 4, 2, 1 for the rest; each store is ``(Y, m, c, a0, a1, a2, a3)``."""
 
     @T.macro
     def run(Wv, c, xq, xd, xsum, m0, rows, Y, a0, a1, a2, a3):
@@ -490,6 +484,12 @@ def _token_tiles(fmt, K: int, wide: bool, finish):
     return run
 
 
+def _token_tiles(fmt, K: int, wide: bool, finish):
+    """``_run_tiles`` of row c against ``rows`` tokens (``_tile_dot``); ``finish(tt)`` gives
+    the store of each tile of ``tt`` tokens."""
+    return _run_tiles({tt: (_tile_dot(fmt, K, tt, wide), finish(tt)) for tt in (TT, 4, 2, 1)})
+
+
 def _x_scratch(K: int, n, wide: bool):
     """Scratch for x quantized (``_rows_quantizer``): one workspace per call."""
     NB = K // QBLOCK
@@ -506,7 +506,7 @@ def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool 
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
-    if _grouped(fmt):
+    if fmt.grouped:
         return linear_int8_x8(N, K, wfmt, epilogue, wide_x)
     quantize_rows = _rows_quantizer(K, wide_x)
 
@@ -546,7 +546,7 @@ def linear_swiglu_int8(I: int, K: int, wfmt: str):
     in alternating runs; x quantized to int8 as ``linear_int8``'s."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
-    if _grouped(fmt):
+    if fmt.grouped:
         return linear_swiglu_int8_x8(I, K, wfmt)
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
@@ -610,7 +610,7 @@ def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int):
 
 
 # ------------------------------------------------------------------ rows interleaved by 8
-# (``formats._Rows8``): lanes are the group's rows, so every kernel below computes 8 rows' dot
+# (``formats._Grouped``): lanes are the group's rows, so every kernel below computes 8 rows' dot
 # products in one float32x8 accumulator and reduces nothing across lanes
 def _x32(xq, count):
     """The int8 x as int32, four weights per element (``group_dot`` broadcasts them)."""
@@ -777,26 +777,9 @@ def _group_tile(fmt, K: int, tt: int):
 
 
 def _group_token_tiles(fmt, K: int, finish):
-    """``run(Wv, g, x32, xd, xsum, m0, rows, Y, a0, a1, a2, a3)``: group g against ``rows``
-    tokens from m0, tiles of ``TT`` tokens then 4, 2, 1 (``_token_tiles``' order)."""
-    tiles = {tt: (_group_tile(fmt, K, tt), finish(tt)) for tt in (TT, 4, 2, 1)}
-
-    @T.macro
-    def run(Wv, g, x32, xd, xsum, m0, rows, Y, a0, a1, a2, a3):
-        for mo in range(rows // TT):
-            tiles[TT][0](Wv, g, x32, xd, xsum, m0 + mo * TT, Y)
-            tiles[TT][1](Y, m0 + mo * TT, g, a0, a1, a2, a3)
-        if rows % TT >= 4:
-            tiles[4][0](Wv, g, x32, xd, xsum, m0 + rows // TT * TT, Y)
-            tiles[4][1](Y, m0 + rows // TT * TT, g, a0, a1, a2, a3)
-        if rows % 4 >= 2:
-            tiles[2][0](Wv, g, x32, xd, xsum, m0 + rows // 4 * 4, Y)
-            tiles[2][1](Y, m0 + rows // 4 * 4, g, a0, a1, a2, a3)
-        if rows % 2 == 1:
-            tiles[1][0](Wv, g, x32, xd, xsum, m0 + rows // 2 * 2, Y)
-            tiles[1][1](Y, m0 + rows // 2 * 2, g, a0, a1, a2, a3)
-
-    return run
+    """``_run_tiles`` of group g (in place of row c) against ``rows`` tokens (``_group_tile``;
+    x as int32, ``_x32``)."""
+    return _run_tiles({tt: (_group_tile(fmt, K, tt), finish(tt)) for tt in (TT, 4, 2, 1)})
 
 
 @cached
