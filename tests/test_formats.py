@@ -201,6 +201,17 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
     assert "layers.0.wo" not in got  # the base: q4_0x8
 
 
+def test_rebuild_hints_name_the_format_not_its_cpu_layout():
+    """The ``--weight-dtype`` a rebuild hint gives: the one format an artifact holds, its CPU
+    layout or not; a mix of formats (a GGUF's own) is "auto"."""
+    from paged_decode.runtime.manifest import weight_policy
+
+    assert weight_policy("q8_0x8", {"embed": "q8_0", "lm_head": "q8_0"}) == "q8_0"
+    assert weight_policy("q4_kx8", {}) == "q4_k"
+    assert weight_policy("q4_1x8", {"embed": "q8_0"}) == "auto"
+    assert weight_policy("float16", None) == "float16"
+
+
 def test_auto_formats_on_a_target_without_quantized_kernels(smollm_gguf, caplog):
     """WebGPU keeps no quantized format: "auto" dequantizes SmolLM2 to float16 and says why once;
     CUDA keeps the file's formats."""
@@ -369,12 +380,11 @@ def test_interleaved_rows_refuse_int16_x(factory):
 @pytest.mark.parametrize("fmt,int8", [
     pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
     for f in QUANT_FORMATS for i in (False, True)] + [
-    pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
-    for f in X8_FORMATS for i in (False, True)])
+    pytest.param(f, True, id=f"{f}-int8_tile") for f in X8_FORMATS])
 def test_quantized_prefill_swiglu(fmt, int8):
     """The float tile over decoded weights (5 tokens) and the int8 tile (7: tiles of 4, 2, 1;
-    x quantized per row as the decode GEMV's); interleaved rows: I = 40, a run of 16 and one
-    of 8."""
+    x quantized per row as the decode GEMV's); interleaved rows the int8 tile (their float tile
+    reads the row pieces test_quantized_prefill_linear checks), I = 40: a run of 16, one of 8."""
     I = 2 * GATE_UP_ROWS + (8 if fmt in X8_FORMATS else 6)
     K, n = _k(fmt, 96, 256), 7 if int8 else 5
     rng = np.random.default_rng(7)
