@@ -671,7 +671,9 @@ class _Grouped(WeightFormat):
     ``(N / 8, K / block * unit_bytes)``, each group's block ``k`` the eight rows' block ``k``
     regrouped (``group`` / ``ungroup``, lossless).  The CPU kernels' pieces work on a whole
     group: ``group_dot`` (a 32-weight unit's integer dot products, lane r = row r) and
-    ``group_unit`` (their float contribution); nothing reads such a matrix by rows."""
+    ``group_unit`` (their float contribution); the float tile over decoded weights reads it
+    by rows (``scale``, ``offset``, ``dequant16``, each row's bytes gathered from the chunks).
+    CPU only: the GPUs' scalar pieces are not defined here."""
 
     grouped = True
 
@@ -700,7 +702,13 @@ class _Grouped(WeightFormat):
         return self.unit_bytes * QBLOCK // self.block
 
     def storage(self, N, K):
+        if N % ROW_GROUP:
+            raise ValueError(f"{self.name} stores rows in groups of {ROW_GROUP}; N={N} is not a "
+                             "multiple")
         return (N // ROW_GROUP, K // self.block * self.unit_bytes), "uint8"
+
+    def row_bytes(self, K):
+        return K // self.block * self.block_bytes
 
     def quantize(self, w):
         return self.group(self.base.quantize(w))
@@ -728,7 +736,14 @@ class _Grouped(WeightFormat):
                 for j in range(4)]
         return _cat(_cat(four[0], four[1], 4), _cat(four[2], four[3], 4), 8)
 
-    def unit_scale(self, W8, c, b, half):  # the GPUs never get these layouts (``interleaved``)
+    # the GPUs never get these layouts (``interleaved``)
+    def unit_scale(self, W8, c, b, half):
+        raise NotImplementedError(f"{self.name} is a CPU layout")
+
+    def unit_offset(self, W8, c, b):
+        raise NotImplementedError(f"{self.name} is a CPU layout")
+
+    def quant(self, W8, c, b, j):
         raise NotImplementedError(f"{self.name} is a CPU layout")
 
 

@@ -71,12 +71,21 @@ DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 INTERLEAVED_SUFFIX = "x8"
 
 
-def weight_policy(weight_dtype: str, weight_formats) -> str:
+def weight_policy(weight_dtype, weight_formats) -> str:
     """The ``--weight-dtype`` that chooses these formats again: their one format (interleaved
-    or not), else "auto" (a GGUF's own mix)."""
-    names = {f.removesuffix(INTERLEAVED_SUFFIX)
-             for f in [weight_dtype, *dict(weight_formats or {}).values()]}
+    or not; a quantized format's LM head, or tied embedding, in Q8_0 is that format's own
+    choice), else "auto" (a GGUF's own mix).  Damaged values (from a file) give "auto"."""
+    try:
+        formats = dict(weight_formats or {})
+    except (TypeError, ValueError):
+        formats = {}
+    names = {f.removesuffix(INTERLEAVED_SUFFIX) for name, f in formats.items()
+             if isinstance(f, str) and not (name in ("embed", "lm_head") and f == "q8_0")}
+    if isinstance(weight_dtype, str):
+        names.add(weight_dtype.removesuffix(INTERLEAVED_SUFFIX))
     return names.pop() if len(names) == 1 else "auto"
+
+
 DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
 _OPTIONAL = {"model_arg": ("a string", lambda v: isinstance(v, str))}
 

@@ -172,9 +172,10 @@ QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2, "q4_k": 0.2}
 # Native quantized weights against the same weights dequantized to float32 (only the decode
 # GEMVs' int8 activations differ): logits within this distance, relative to the largest.
 NATIVE_VS_DEQUANT_RTOL = 0.02
-# A batched step's rows in the int8 tiles (small buckets) against the B = 1 GEMVs: the same
-# quantized activations, float32 sums in another order, relative to the largest logit (measured
-# 1e-5 on the tiny model; the float matmuls of larger buckets differ by ~7e-3).
+# A batched step's rows in the int8 tiles (small buckets; every bucket over rows interleaved
+# by 8) against the B = 1 GEMVs: the same quantized activations, float32 sums in another order,
+# relative to the largest logit (measured 1e-5 on the tiny model; the float matmuls of larger
+# buckets over other layouts differ by ~7e-3).
 QUANT_BATCH_RTOL = 1e-4
 
 

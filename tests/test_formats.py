@@ -201,15 +201,25 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
     assert "layers.0.wo" not in got  # the base: q4_0x8
 
 
-def test_rebuild_hints_name_the_format_not_its_cpu_layout():
-    """The ``--weight-dtype`` a rebuild hint gives: the one format an artifact holds, its CPU
-    layout or not; a mix of formats (a GGUF's own) is "auto"."""
+def test_rebuild_hints_name_the_format_not_its_cpu_layout(smollm_gguf):
+    """The ``--weight-dtype`` a rebuild hint gives chooses the artifact's formats again: its
+    one format, CPU layout or not, with the Q8_0 LM head (or tied embedding) that choice
+    brings; a GGUF's own mix of formats is "auto"; damaged values give "auto", not an error."""
+    from paged_decode.compile.weights import interleave_formats, resolve_formats, resolve_model
     from paged_decode.runtime.manifest import weight_policy
 
-    assert weight_policy("q8_0x8", {"embed": "q8_0", "lm_head": "q8_0"}) == "q8_0"
-    assert weight_policy("q4_kx8", {}) == "q4_k"
-    assert weight_policy("q4_1x8", {"embed": "q8_0"}) == "auto"
-    assert weight_policy("float16", None) == "float16"
+    source = resolve_model("llama-160m")
+    for fmt in ("q8_0", "q4_0", "q4_k", "float16"):
+        stored = interleave_formats(source.config, *resolve_formats(source, fmt))
+        assert weight_policy(*stored) == fmt
+    smol = resolve_model(str(smollm_gguf))
+    stored = interleave_formats(smol.config, *resolve_formats(smol, "auto"))
+    assert stored == interleave_formats(smol.config, *resolve_formats(smol, weight_policy(
+        *stored)))  # "q4_1" gives the file's own Q4_1 + Q8_0 embedding
+    assert weight_policy("q4_kx8", {"lm_head": "q6_k", "layers.0.wv": "q6_k"}) == "auto"
+    for damaged in (5, {"embed": 1}, [("a",)]):
+        assert weight_policy("q4_0x8", damaged) in ("q4_0", "auto")
+    assert weight_policy(None, None) == "auto"
 
 
 def test_auto_formats_on_a_target_without_quantized_kernels(smollm_gguf, caplog):
@@ -380,13 +390,15 @@ def test_interleaved_rows_refuse_int16_x(factory):
 @pytest.mark.parametrize("fmt,int8", [
     pytest.param(f, i, id=f"{f}-{'int8' if i else 'float'}_tile")
     for f in QUANT_FORMATS for i in (False, True)] + [
-    pytest.param(f, True, id=f"{f}-int8_tile") for f in X8_FORMATS])
+    pytest.param(f, True, id=f"{f}-int8_tile") for f in X8_FORMATS] + [
+    pytest.param("q4_1x8", False, id="q4_1x8-float_tile")])
 def test_quantized_prefill_swiglu(fmt, int8):
     """The float tile over decoded weights (5 tokens) and the int8 tile (7: tiles of 4, 2, 1;
-    x quantized per row as the decode GEMV's); interleaved rows the int8 tile (their float tile
-    reads the row pieces test_quantized_prefill_linear checks), I = 40: a run of 16, one of 8."""
-    I = 2 * GATE_UP_ROWS + (8 if fmt in X8_FORMATS else 6)
-    K, n = _k(fmt, 96, 256), 7 if int8 else 5
+    x quantized per row as the decode GEMV's); interleaved rows: I = 40 (a run of 16, one of
+    8), the int8 tile over 70 tokens (a block of 64, then 4 + 2)."""
+    x8 = FORMATS[fmt].grouped
+    I = 2 * GATE_UP_ROWS + (8 if x8 else 6)
+    K, n = _k(fmt, 96, 256), (70 if x8 else 7) if int8 else 5
     rng = np.random.default_rng(7)
     gate, gd = _weights(fmt, I, K, 8)
     up, ud = _weights(fmt, I, K, 9)
