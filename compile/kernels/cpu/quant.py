@@ -22,9 +22,10 @@ faster on short rows (docs/design.md).
 Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1
 / Q4_K matrices): the same integer arithmetic with the group's 8 rows in the 8 lanes of one
 vector, x broadcast 4 bytes at a time, so the unpacking, conversion and scaling of a unit serve
-8 rows and no lane sum remains; the decode GEMVs and the int8 tiles have such variants (``gemv_x8``,
-``linear_int8_x8``, ...), and the int8 tile serves every batch bucket over them (about 2x the
-float tile at 4-128 rows); the float tile reads them through row-wise pieces.
+8 rows and no lane sum remains.  The decode GEMVs fill their 16-row units by groups
+(``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants (``linear_int8_x8``,
+...) and serve every batch bucket over them (about 2x the float tile at 4-128 rows); the float
+tile reads them through row-wise pieces.
 
 Embedding: the rows of the ids, decoded.
 """
@@ -166,29 +167,56 @@ def _check_fits(fmt, K: int, N: int | None = None):
                          "multiple")
 
 
+def _row_fill(fmt, K: int, N: int, wide_x: bool):
+    """``fill(W, xq, xd, xsum, Y, u)``: Y[r] = row u RG + r of W . x for the 16-row unit's
+    rows below N (``_row_dot``)."""
+    dot = _row_dot(fmt, K, wide_x)
+
+    @T.macro
+    def fill(W, xq, xd, xsum, Y, u):
+        Wi, Wh = as_int8(W), as_f16(W)
+        for r in range(RG):
+            if u * RG + r < N:
+                dot(W, Wi, Wh, xq, xd, xsum, Y, r, u * RG + r)
+
+    return fill
+
+
+def _group_fill(fmt, K: int, N: int):
+    """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
+    dot = _group_dot(fmt, K)
+    GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
+
+    @T.macro
+    def fill(W, xq, xd, xsum, Y, u):
+        for gi in range(GU):
+            if u * GU + gi < G:
+                dot((W, as_int8(W), as_f16(W)), _x32(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
+                    u * GU + gi)
+
+    return fill
+
+
 @cached
 def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
          wide_x: bool = False):
     """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``wide_x``: x quantized
     to int16, not int8 (the LM head, whose logits pick the token: int8 activations there flip
-    near ties; docs/design.md)."""
+    near ties; docs/design.md).  Rows interleaved by 8 take int8 x only."""
     fmt = FORMATS[wfmt]
-    _check_fits(fmt, K)
+    _check_fits(fmt, K, N)
     if fmt.grouped:
-        return gemv_x8(N, K, wfmt, epilogue, norm_eps, wide_x)
+        _no_wide_x(fmt, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
-    dot = _row_dot(fmt, K, wide_x)
+    fill = _group_fill(fmt, K, N) if fmt.grouped else _row_fill(fmt, K, N, wide_x)
     xdt = "int16" if wide_x else "int8"
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
     def unit(lane, u, W, xq, xd, xsum, y, bias, res):
-        Wi, Wh = as_int8(W), as_f16(W)
         Y = T.decl_buffer((RG,), "float32")
-        for r in range(RG):
-            if u * RG + r < N:
-                dot(W, Wi, Wh, xq, xd, xsum, Y, r, u * RG + r)
+        fill(W, xq, xd, xsum, Y, u)
         for r in range(RG):
             if u * RG + r < N:
                 if epilogue == "bias":
@@ -211,36 +239,68 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{wfmt}")
 
 
+def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row):
+    """``fill(W, xq, xd, xsum, gate, up, a0, o)``: gate[o + r] / up[o + r] = act row a0 + r's
+    gate / up dot product for the RG rows of a tile (0 past I: defined values for the vector
+    SiLU, never stored)."""
+    dot = _row_dot(fmt, K)
+
+    @T.macro
+    def fill(W, xq, xd, xsum, gate, up, a0, o):
+        Wi, Wh = as_int8(W), as_f16(W)
+        for r in range(RG):
+            if a0 + r < I:
+                dot(W, Wi, Wh, xq, xd, xsum, gate, o + r, gate_row(a0) + r)
+                dot(W, Wi, Wh, xq, xd, xsum, up, o + r, up_row(a0) + r)
+            else:
+                gate[o + r] = T.float32(0)
+                up[o + r] = T.float32(0)
+
+    return fill
+
+
+def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row):
+    """``_row_tile_fill`` over rows interleaved by 8 (I a multiple of 8: a group never
+    straddles a gate run and an up run): the tile's two groups of gate rows and of up rows."""
+    dot = _group_dot(fmt, K)
+
+    @T.macro
+    def fill(W, xq, xd, xsum, gate, up, a0, o):
+        Wv = (W, as_int8(W), as_f16(W))
+        for gi in range(RG // ROW_GROUP):
+            if a0 + gi * ROW_GROUP < I:
+                dot(Wv, _x32(xq, K), xd, xsum, 0, gate, o + gi * ROW_GROUP,
+                    gate_row(a0) // ROW_GROUP + gi)
+                dot(Wv, _x32(xq, K), xd, xsum, 0, up, o + gi * ROW_GROUP,
+                    up_row(a0) // ROW_GROUP + gi)
+            else:
+                gate[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+                up[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+
+    return fill
+
+
 @cached
 def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g, W (2I, K) quantized, gate and up
     rows in alternating runs (``params.gate_up_row``)."""
     fmt = FORMATS[wfmt]
-    _check_fits(fmt, K)
-    if fmt.grouped:
-        return gemv_swiglu_x8(I, K, wfmt, norm_eps)
+    _check_fits(fmt, K, I)
     NB = K // QBLOCK
     prepare = _prepare_x(K, norm_eps, True)
-    dot = _row_dot(fmt, K)
     UT = SWIGLU_UNIT_TILES
     UR = RG * UT
     run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
     assert RG == GATE_UP_ROWS
     gate_row, up_row = gate_up_rows(I)
+    fill = (_group_tile_fill if fmt.grouped else _row_tile_fill)(fmt, K, I, gate_row, up_row)
 
     @T.macro
     def unit(lane, u, W, xq, xd, xsum, act):
-        Wi, Wh = as_int8(W), as_f16(W)
         gate = T.decl_buffer((UR,), "float32")
         up = T.decl_buffer((UR,), "float32")
         for t in range(UT):
-            for r in range(RG):
-                if u * UR + t * RG + r < I:
-                    dot(W, Wi, Wh, xq, xd, xsum, gate, t * RG + r, gate_row(u * UR + t * RG) + r)
-                    dot(W, Wi, Wh, xq, xd, xsum, up, t * RG + r, up_row(u * UR + t * RG) + r)
-                else:
-                    gate[t * RG + r] = T.float32(0)
-                    up[t * RG + r] = T.float32(0)
+            fill(W, xq, xd, xsum, gate, up, u * UR + t * RG, t * RG)
         swiglu_store(act, gate, up, u, I)
 
     @T.prim_func(s_tir=True)
@@ -654,89 +714,6 @@ def _group_dot(fmt, K: int):
 def _no_wide_x(fmt, wide_x: bool):
     if wide_x:  # the LM head keeps rows (``formats.interleaved``)
         raise ValueError(f"{fmt.name}: interleaved rows take int8 x only (wide_x)")
-
-
-@cached
-def gemv_x8(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
-            wide_x: bool = False):
-    """``gemv`` over rows interleaved by 8: 16-row units of two groups."""
-    fmt = FORMATS[wfmt]
-    _check_fits(fmt, K, N)
-    _no_wide_x(fmt, wide_x)
-    norm, NB, G = norm_eps is not None, K // QBLOCK, N // ROW_GROUP
-    prepare = _prepare_x(K, norm_eps or 0.0, norm)
-    dot = _group_dot(fmt, K)
-    run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
-    GU = RG // ROW_GROUP  # groups per unit
-
-    @T.macro
-    def unit(lane, u, W, xq, xd, xsum, y, bias, res):
-        Y = T.decl_buffer((RG,), "float32")
-        for gi in range(GU):
-            if u * GU + gi < G:
-                dot((W, as_int8(W), as_f16(W)), _x32(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
-                    u * GU + gi)
-        for r in range(T.min(RG, N - u * RG)):
-            if epilogue == "bias":
-                y[0, u * RG + r] = Y[r] + bias[u * RG + r]
-            elif epilogue == "residual":
-                y[0, u * RG + r] = Y[r] + res[0, u * RG + r]
-            else:
-                y[0, u * RG + r] = Y[r]
-
-    @T.macro
-    def body(x, g, W, y, bias, res):
-        xq = T.decl_buffer((K,), "int8")
-        xd = T.decl_buffer((NB,), "float32")
-        xsum = T.decl_buffer((NB,), "float32")
-        prepare(x, g, xq, xd, xsum)
-        run_units(unit, W, xq, xd, xsum, y, bias, res)
-
-    func = gemv_func(body, N, K, "uint8", epilogue, norm, _storage(fmt, N, K))
-    return finalize(func, f"gemv{'_norm' if norm else ''}_{epilogue}_{N}x{K}_{wfmt}")
-
-
-@cached
-def gemv_swiglu_x8(I: int, K: int, wfmt: str, norm_eps: float):
-    """``gemv_swiglu`` over rows interleaved by 8 (I a multiple of 8: a group never straddles
-    a gate run and an up run)."""
-    fmt = FORMATS[wfmt]
-    _check_fits(fmt, K, I)
-    NB = K // QBLOCK
-    prepare = _prepare_x(K, norm_eps, True)
-    dot = _group_dot(fmt, K)
-    UT = SWIGLU_UNIT_TILES
-    UR = RG * UT
-    run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
-    gate_row, up_row = gate_up_rows(I)
-
-    @T.macro
-    def unit(lane, u, W, xq, xd, xsum, act):
-        Wv = (W, as_int8(W), as_f16(W))
-        gate = T.decl_buffer((UR,), "float32")
-        up = T.decl_buffer((UR,), "float32")
-        for t in range(UR // ROW_GROUP):
-            if u * UR + t * ROW_GROUP < I:
-                dot(Wv, _x32(xq, K), xd, xsum, 0, gate, t * ROW_GROUP,
-                    gate_row(u * UR + t * ROW_GROUP) // ROW_GROUP)
-                dot(Wv, _x32(xq, K), xd, xsum, 0, up, t * ROW_GROUP,
-                    up_row(u * UR + t * ROW_GROUP) // ROW_GROUP)
-            else:
-                gate[T.ramp(t * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
-                up[T.ramp(t * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
-        swiglu_store(act, gate, up, u, I)
-
-    @T.prim_func(s_tir=True)
-    def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
-             W: T.Buffer(_storage(fmt, 2 * I, K), "uint8"), act: T.Buffer((1, I), "float32")):
-        with T.sblock("root"):
-            xq = T.decl_buffer((K,), "int8")
-            xd = T.decl_buffer((NB,), "float32")
-            xsum = T.decl_buffer((NB,), "float32")
-            prepare(x, g, xq, xd, xsum)
-            run_units(unit, W, xq, xd, xsum, act)
-
-    return finalize(func, f"gemv_swiglu_{I}x{K}_{wfmt}")
 
 
 def _group_tile(fmt, K: int, tt: int):
