@@ -677,6 +677,12 @@ class _Grouped(WeightFormat):
 
     grouped = True
 
+    @property
+    def wide_x(self) -> bool:
+        """Whether its GEMV and int8 tiles also take int16 x (``group_dot_wide``: the LM
+        head's kernels), so that an LM head in this format can be interleaved."""
+        return False
+
     def __init__(self, base: WeightFormat, block_bytes: int):
         super().__init__(base.name + INTERLEAVED_SUFFIX, block_bytes, base.gguf_type)
         object.__setattr__(self, "base", base)
@@ -761,6 +767,10 @@ class _Rows8(_Grouped):
         super().__init__(base, base.block_bytes)
 
     @property
+    def wide_x(self) -> bool:
+        return self.base.name == "q8_0"
+
+    @property
     def fields(self) -> int:  # float16 fields per block (d; Q4_1: d, m)
         return 2 if self.base.name == "q4_1" else 1
 
@@ -815,6 +825,23 @@ class _Rows8(_Grouped):
                                                   low), _x4(x32, x0 + 4 + j)))
         # eight int16 pair sums of at most 2 * 15 * 127 each: 30480 < 2^15
         return _pairs_to_i32x8(_sum8(terms))
+
+    def group_dot_wide(self, Wv, g, b, x64, x0):
+        """``group_dot`` for int16 x (the LM head's; Q8_0 only, ``wide_x``): ``x64`` the x
+        as int64, four weights per element, from element ``x0``.  Each chunk's halves (rows
+        0-3, rows 4-7: 4 quants each) are widened to int16 and multiplied pairwise with the
+        chunk's 4 x, summing into one int32 per row and pair; one ``vphaddd`` joins each row's
+        pairs at the unit's end (lanes then rows 0 1 4 5 2 3 6 7, put back in order).  Exact:
+        32 products of at most 128 * 32767 stay below 2^31."""
+        halves = [T.broadcast(T.int32(0), 8), T.broadcast(T.int32(0), 8)]
+        for j in range(self.quant_bytes // 4):
+            x4 = T.reinterpret("int16x16", T.broadcast(x64[x0 + j], 4))
+            for h in range(2):
+                byte = b * self.unit_bytes + 2 * self.fields * ROW_GROUP + 32 * j + 16 * h
+                q = T.Cast("int16x16", Wv[1].vload([g, byte], "int8x16"))
+                halves[h] = halves[h] + _madd16(q, x4)
+        pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.phadd.d", *halves)
+        return T.Shuffle([pairs], [0, 1, 4, 5, 2, 3, 6, 7])
 
     def group_unit(self, Wv, g, b, dot, xd, xsum):
         """float32x8: unit ``b``'s contribution to each row's dot product, from ``dot``
@@ -946,13 +973,20 @@ FLOAT_FORMATS = ("float32", "float16")
 QUANT_FORMATS = tuple(n for n in USER_FORMATS if FORMATS[n].quantized)
 
 
-def interleaved(name: str, fmt: str, rows: int, gate_up_inter: int | None = None) -> str:
+def interleaved(name: str, fmt: str, rows: int, gate_up_inter: int | None = None,
+                tied: bool = False) -> str:
     """The format matrix ``name`` of ``rows`` rows in ``fmt`` takes on a CPU target: its
     interleaved layout where one exists and whole groups of rows fit (``w_gate_up``: its gate
-    and up runs too, ``gate_up_inter`` act rows), else ``fmt``.  The embedding and the LM head
-    keep rows: the embedding is read by rows and the head's kernel takes int16 x."""
+    and up runs too, ``gate_up_inter`` act rows), else ``fmt``.  The LM head (``lm_head``, or
+    the embedding where ``tied``) reads int16 x, so it is interleaved only in a layout whose
+    kernels take it (``wide_x``: Q8_0); an embedding that is not the head keeps rows (it is
+    read by rows)."""
     x8 = INTERLEAVED.get(fmt)
-    if x8 is None or name in ("embed", "lm_head") or rows % ROW_GROUP:
+    if x8 is None or rows % ROW_GROUP:
+        return fmt
+    if name == "lm_head" or (name == "embed" and tied):
+        return x8.name if x8.wide_x else fmt
+    if name == "embed":
         return fmt
     if gate_up_inter is not None and gate_up_inter % ROW_GROUP:
         return fmt

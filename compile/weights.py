@@ -664,10 +664,12 @@ def interleave_formats(cfg: ModelConfig, weight_dtype: str, weight_formats=()
                        ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """``(weight_dtype, weight_formats)`` as a CPU target stores them: every matrix whose
     format has an interleaved layout (``formats.interleaved``: q8_0 / q4_0 / q4_1 / q4_k, rows
-    in groups of 8) takes it; the rest, the embedding and the LM head keep theirs."""
+    in groups of 8) takes it, the LM head only where that layout's kernels take its int16 x
+    (Q8_0); the rest, and an embedding that is not the LM head, keep theirs."""
     specs = [s for s in param_specs(cfg, weight_dtype, weight_formats) if s.logical]
     chosen = {s.name: interleaved(s.name, s.format, s.logical[0],
-                                  cfg.intermediate_size if s.name.endswith("w_gate_up") else None)
+                                  cfg.intermediate_size if s.name.endswith("w_gate_up") else None,
+                                  cfg.tie_word_embeddings)
               for s in specs}
     if all(chosen[s.name] == s.format for s in specs):
         return weight_dtype, tuple(weight_formats)

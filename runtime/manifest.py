@@ -80,7 +80,8 @@ def weight_policy(weight_dtype, weight_formats) -> str:
     except (TypeError, ValueError):
         formats = {}
     names = {f.removesuffix(INTERLEAVED_SUFFIX) for name, f in formats.items()
-             if isinstance(f, str) and not (name in ("embed", "lm_head") and f == "q8_0")}
+             if isinstance(f, str) and not (name in ("embed", "lm_head")
+                                            and f.removesuffix(INTERLEAVED_SUFFIX) == "q8_0")}
     if isinstance(weight_dtype, str):
         names.add(weight_dtype.removesuffix(INTERLEAVED_SUFFIX))
     return names.pop() if len(names) == 1 else "auto"

@@ -173,10 +173,11 @@ def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
 
 def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regrouped(
         smollm_gguf):
-    """On a CPU target SmolLM2's Q4_1 matrices take the interleaved layout and the Q8_0
-    embedding (the tied LM head) keeps its rows; the pack holds the file's blocks regrouped
-    (ungrouped: the bytes the plain layout holds).  Q6_K keeps its rows, and so does a
-    w_gate_up whose act rows do not fill groups of 8."""
+    """On a CPU target SmolLM2's Q4_1 matrices and its Q8_0 embedding (the tied LM head, whose
+    int16 x Q8_0's interleaved kernels take) take the interleaved layout; the pack holds the
+    file's blocks regrouped (ungrouped: the bytes the plain layout holds).  Q6_K keeps its
+    rows, and so do a w_gate_up whose act rows do not fill groups of 8, an untied embedding
+    and an LM head in a format whose interleaved kernels take int8 x only."""
     import dataclasses
 
     from paged_decode.compile.config import preset
@@ -184,21 +185,26 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
 
     source = resolve_model(str(smollm_gguf))
     base, others = interleave_formats(source.config, *resolve_formats(source, "auto"))
-    assert (base, others) == ("q4_1x8", (("embed", "q8_0"),))
+    assert (base, others) == ("q4_1x8", (("embed", "q8_0x8"),))
     grouped = source.load_params(base, others)
     plain = source.load_params("q4_1", (("embed", "q8_0"),))
     for name in ("layers.0.wqkv", "layers.7.w_gate_up", "layers.29.w_down", "layers.3.wo"):
         np.testing.assert_array_equal(FORMATS[base].ungroup(grouped[name]), plain[name],
                                       err_msg=name)
-    np.testing.assert_array_equal(grouped["embed"], plain["embed"])
+    np.testing.assert_array_equal(FORMATS["q8_0x8"].ungroup(grouped["embed"]), plain["embed"])
 
     cfg = preset("llama-160m")
+    assert not cfg.tie_word_embeddings
     assert interleave_formats(cfg, "q6_k", (("lm_head", "q8_0"),)) == (
-        "q6_k", (("lm_head", "q8_0"),))
+        "q6_k", (("lm_head", "q8_0x8"),))
     odd = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 4)
     got = dict(interleave_formats(odd, "q4_0", (("lm_head", "q8_0"),))[1])
-    assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0"
+    assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0x8"
     assert "layers.0.wo" not in got  # the base: q4_0x8
+    got = dict(interleave_formats(cfg, "q4_0", (("embed", "q8_0"),))[1])
+    assert got["embed"] == "q8_0" and got["lm_head"] == "q4_0"  # int8-x-only layout: rows
+    odd_vocab = dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 4)
+    assert dict(interleave_formats(odd_vocab, "q8_0")[1])["lm_head"] == "q8_0"
 
 
 def test_rebuild_hints_name_the_format_not_its_cpu_layout(smollm_gguf):
@@ -288,7 +294,8 @@ GEMV_CASES = [(f, *SHAPES[i], v) for f in QUANT_FORMATS
 # a multiple of the 4 units in flight)
 GEMV_CASES += [(f, *s, v) for f in X8_FORMATS for s, v in (
     ((40, (32, 256)), "none"), ((1000, (576, 1280)), "norm"))] + [
-    ("q4_1x8", 136, (416, 0), v) for v in ("residual", "norm_bias")]
+    ("q4_1x8", 136, (416, 0), v) for v in ("residual", "norm_bias")] + [
+    ("q8_0x8", *s, v) for s, v in (((40, (32, 256)), "wide_x"), ((136, (416, 0)), "norm_wide_x"))]
 
 
 @pytest.mark.parametrize("fmt,N,Ks,variant", GEMV_CASES)
@@ -381,7 +388,8 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
 
 @pytest.mark.parametrize("factory", ["gemv", "linear_int8"])
 def test_interleaved_rows_refuse_int16_x(factory):
-    """The LM head's int16 x (``wide_x``) has no interleaved kernel: the head keeps its rows."""
+    """The LM head's int16 x (``wide_x``) has interleaved kernels for Q8_0 only: a head in
+    another format keeps its rows."""
     with pytest.raises(ValueError, match="int8 x only"):
         getattr(quant, factory)(64, 256, "q4_0x8", "none", *([None] if factory == "gemv" else []),
                                 wide_x=True)
@@ -416,7 +424,7 @@ def test_quantized_prefill_swiglu(fmt, int8):
 # the LM head's int16 x with one 32-weight format and one k-quant
 INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS + X8_FORMATS] + [
     (f, e, w) for f in ("q4_1", "q4_k") for e, w in (("none", True), ("residual", False))] + [
-    ("q4_0x8", e, False) for e in ("none", "residual")]
+    ("q4_0x8", e, False) for e in ("none", "residual")] + [("q8_0x8", "none", True)]
 
 
 @pytest.mark.parametrize("fmt,epilogue,wide_x", INT8_CASES)
@@ -444,18 +452,18 @@ def test_prefill_of_long_rows_takes_the_int8_tile():
         assert "_i8" not in name(func)
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("q8_0x8",))  # q8_0x8: a tied LM head's
 def test_quantized_embedding_is_the_exact_dequantized_row(fmt):
-    V, H = 50, _k(fmt, 96, 512)
+    V, H = 56, _k(fmt, 96, 512)
     packed, Wd = _weights(fmt, V, H)
-    ids = np.array([0, 49, 7, 7], np.int32)
-    x = _t(np.zeros((4, H), np.float32))
+    ids = np.array([0, 55, 7, 7, 50], np.int32)
+    x = _t(np.zeros((5, H), np.float32))
     kernel = _compiled(quant.embedding, V, H, fmt, None)
-    kernel(_t(ids), _t(packed), x)
+    kernel(_t(ids), _t(_stored(fmt, packed)), x)
     np.testing.assert_array_equal(x.numpy(), Wd[ids].astype(np.float32))
     bad = _t(np.array([V], np.int32))
     with pytest.raises(Exception, match="out of range"):
-        kernel(bad, _t(packed), _t(np.zeros((1, H), np.float32)))
+        kernel(bad, _t(_stored(fmt, packed)), _t(np.zeros((1, H), np.float32)))
 
 
 def test_batch_buckets_over_interleaved_rows_take_the_int8_tile():

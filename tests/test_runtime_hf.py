@@ -136,10 +136,10 @@ def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
     opts = {"block_size": 4, "max_context": 64}
     a32, w32 = load(llama_ckpt.path, **opts)
     aq, wq = load(llama_ckpt.path, weight_dtype=fmt, **opts)
-    # the CPU layout: layers' rows interleaved by 8, the embedding and LM head by rows
+    # the CPU layout: layers' rows and the Q8_0 LM head interleaved by 8, the embedding by rows
     assert aq.manifest.weight_dtype == INTERLEAVED[fmt].name
     formats = aq.manifest.key["weight_formats"]
-    assert formats == {"embed": fmt, "lm_head": "q8_0"}
+    assert formats == {"embed": fmt, **({} if fmt == "q8_0" else {"lm_head": "q8_0x8"})}
     packed = load_file(str(build(llama_ckpt.path, weight_dtype=fmt, **opts).weights_dir
                            / "params.safetensors"))
     floats = resolve_model(str(llama_ckpt.path)).load_params("float32")
@@ -227,7 +227,7 @@ def test_hf_checkpoint_quantized_to_q4_k_tracks_float(load, llama_wide_ckpt):
     artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k", block_size=4,
                              max_context=64)
     assert artifact.manifest.weight_dtype == "q4_kx8"  # the CPU layout
-    assert artifact.manifest.key["weight_formats"] == {"embed": "q4_k", "lm_head": "q8_0"}
+    assert artifact.manifest.key["weight_formats"] == {"embed": "q4_k", "lm_head": "q8_0x8"}
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
     source = resolve_model(str(llama_wide_ckpt.path))
     want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)

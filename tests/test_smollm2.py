@@ -64,7 +64,8 @@ def _hf_logits(hf_model, seq):
 def test_native_weights_are_the_files_formats(smol_native):
     artifact = smol_native[0]
     assert artifact.manifest.weight_dtype == "q4_1x8"  # the CPU layout of the file's Q4_1
-    assert artifact.manifest.key["weight_formats"] == {"embed": "q8_0"}
+    # and of its Q8_0 embedding, the tied LM head
+    assert artifact.manifest.key["weight_formats"] == {"embed": "q8_0x8"}
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

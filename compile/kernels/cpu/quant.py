@@ -25,9 +25,12 @@ vector, x broadcast 4 bytes at a time, so the unpacking, conversion and scaling 
 8 rows and no lane sum remains.  The decode GEMVs fill their 16-row units by groups
 (``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants (``linear_int8_x8``,
 ...) and serve every batch bucket over them (about 2x the float tile at 4-128 rows); the float
-tile reads them through row-wise pieces.
+tile reads them through row-wise pieces.  A Q8_0 LM head is interleaved too: its int16 x
+(``wide_x``) takes ``vpmaddwd`` of the widened quants, each row's pairs joined once per unit
+(``_Rows8.group_dot_wide``).
 
-Embedding: the rows of the ids, decoded.
+Embedding: the rows of the ids, decoded (a tied embedding in the head's layout: each row's
+bytes gathered from the chunks).
 """
 
 from __future__ import annotations
@@ -182,16 +185,16 @@ def _row_fill(fmt, K: int, N: int, wide_x: bool):
     return fill
 
 
-def _group_fill(fmt, K: int, N: int):
+def _group_fill(fmt, K: int, N: int, wide_x: bool):
     """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
-    dot = _group_dot(fmt, K)
+    dot = _group_dot(fmt, K, wide_x)
     GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
 
     @T.macro
     def fill(W, xq, xd, xsum, Y, u):
         for gi in range(GU):
             if u * GU + gi < G:
-                dot((W, as_int8(W), as_f16(W)), _x32(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
+                dot((W, as_int8(W), as_f16(W)), _x_view(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
                     u * GU + gi)
 
     return fill
@@ -202,14 +205,14 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
          wide_x: bool = False):
     """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``wide_x``: x quantized
     to int16, not int8 (the LM head, whose logits pick the token: int8 activations there flip
-    near ties; docs/design.md).  Rows interleaved by 8 take int8 x only."""
+    near ties; docs/design.md); of the layouts interleaved by 8, Q8_0's takes it."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, N)
     if fmt.grouped:
-        _no_wide_x(fmt, wide_x)
+        _check_wide_x(fmt, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
-    fill = _group_fill(fmt, K, N) if fmt.grouped else _row_fill(fmt, K, N, wide_x)
+    fill = _group_fill(fmt, K, N, wide_x) if fmt.grouped else _row_fill(fmt, K, N, wide_x)
     xdt = "int16" if wide_x else "int8"
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
@@ -275,13 +278,13 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row):
         Wv = (W, as_int8(W), as_f16(W))
         for gi in range(RG // ROW_GROUP):
             if a0 + gi * ROW_GROUP < I:
-                dot(Wv, _x32(xq, K), xd, xsum, 0, gate, o + gi * ROW_GROUP,
+                dot(Wv, _x_view(xq, K), xd, xsum, 0, gate, o + gi * ROW_GROUP,
                     gate_row(a0) // ROW_GROUP + gi)
             else:
                 gate[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
         for gi in range(RG // ROW_GROUP):
             if a0 + gi * ROW_GROUP < I:
-                dot(Wv, _x32(xq, K), xd, xsum, 0, up, o + gi * ROW_GROUP,
+                dot(Wv, _x_view(xq, K), xd, xsum, 0, up, o + gi * ROW_GROUP,
                     up_row(a0) // ROW_GROUP + gi)
             else:
                 up[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
@@ -681,27 +684,31 @@ def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int):
 # ------------------------------------------------------------------ rows interleaved by 8
 # (``formats._Grouped``): lanes are the group's rows, so every kernel below computes 8 rows' dot
 # products in one float32x8 accumulator and reduces nothing across lanes
-def _x32(xq, count):
-    """The int8 x as int32, four weights per element (``group_dot`` broadcasts them)."""
-    return T.decl_buffer((count // 4,), "int32", data=xq.data)
+def _x_view(xq, count):
+    """The quantized x, four weights per element (``group_dot`` broadcasts them): int8 x as
+    int32, int16 x (``wide_x``) as int64."""
+    return T.decl_buffer((count // 4,), "int64" if xq.dtype == "int16" else "int32",
+                         data=xq.data)
 
 
-def _group_dot(fmt, K: int):
-    """``dot(Wv, x32, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
-    x quantized per 32-block to int8 (int32 view ``x32`` from element ``x0 / 4``, its blocks'
-    ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four accumulators; a
-    k-quant steps whole super-blocks (8 units), so each unit's sub-block is a constant."""
+def _group_dot(fmt, K: int, wide: bool = False):
+    """``dot(Wv, x4, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
+    x quantized per 32-block to int8 (``wide``: int16; ``x4`` its ``_x_view`` from element
+    ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four
+    accumulators; a k-quant steps whole super-blocks (8 units), so each unit's sub-block is a
+    constant."""
     NB = K // QBLOCK
     U = max(ACCS, fmt.block // QBLOCK)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8",
                                     PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT))
+    group_dot = fmt.group_dot_wide if wide else fmt.group_dot
 
-    def unit(Wv, g, b, x32, xd, xsum, x0):
-        return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x32, x0 // 4 + b * 8),
+    def unit(Wv, g, b, x4, xd, xsum, x0):
+        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8),
                               xd[x0 // QBLOCK + b], xsum[x0 // QBLOCK + b])
 
     @T.macro
-    def dot(Wv, x32, xd, xsum, x0, Y, y0, g):
+    def dot(Wv, x4, xd, xsum, x0, Y, y0, g):
         acc = T.decl_buffer((ACCS, 8), "float32")
         for a in T.unroll(ACCS):
             acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
@@ -710,36 +717,38 @@ def _group_dot(fmt, K: int):
             prefetch(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
             for a in T.unroll(U):
                 acc[a % ACCS, T.ramp(0, 1, 8)] = acc[a % ACCS, T.ramp(0, 1, 8)] + unit(
-                    Wv, g, bo * U + a, x32, xd, xsum, x0)
+                    Wv, g, bo * U + a, x4, xd, xsum, x0)
         for a in T.unroll(NB % U):
             acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
-                Wv, g, NB // U * U + a, x32, xd, xsum, x0)
+                Wv, g, NB // U * U + a, x4, xd, xsum, x0)
         Y[T.ramp(y0, 1, 8)] = (acc[0, T.ramp(0, 1, 8)] + acc[1, T.ramp(0, 1, 8)]) + (
             acc[2, T.ramp(0, 1, 8)] + acc[3, T.ramp(0, 1, 8)])
 
     return dot
 
 
-def _no_wide_x(fmt, wide_x: bool):
-    if wide_x:  # the LM head keeps rows (``formats.interleaved``)
-        raise ValueError(f"{fmt.name}: interleaved rows take int8 x only (wide_x)")
+def _check_wide_x(fmt, wide_x: bool):
+    if wide_x and not fmt.wide_x:  # an LM head in this format keeps rows (``interleaved``)
+        raise ValueError(f"{fmt.name}: these interleaved rows take int8 x only (wide_x: "
+                         "int16 x is Q8_0's)")
 
 
-def _group_tile(fmt, K: int, tt: int):
-    """``tile(Wv, g, x32, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
+def _group_tile(fmt, K: int, tt: int, wide: bool = False):
+    """``tile(Wv, g, x4, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
     ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
     vectors between the unrolled tokens' uses).  Below 4 tokens, units take ``ACCS / tt``
     accumulator chains in turn (``_tile_dot``); a k-quant steps whole super-blocks."""
     NB = K // QBLOCK
     chains = max(1, ACCS // tt)
     U = max(chains, fmt.block // QBLOCK)
+    group_dot = fmt.group_dot_wide if wide else fmt.group_dot
 
-    def unit(Wv, g, b, x32, xd, xsum, m):
-        return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x32, m * (K // 4) + b * 8),
+    def unit(Wv, g, b, x4, xd, xsum, m):
+        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, m * (K // 4) + b * 8),
                               xd[m * NB + b], xsum[m * NB + b])
 
     @T.macro
-    def tile(Wv, g, x32, xd, xsum, m0, Y):
+    def tile(Wv, g, x4, xd, xsum, m0, Y):
         acc = T.decl_buffer((chains, tt, 8), "float32")
         for h in T.unroll(chains):
             for t in T.unroll(tt):
@@ -748,11 +757,11 @@ def _group_tile(fmt, K: int, tt: int):
             for a in T.unroll(U):
                 for t in T.unroll(tt):
                     acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + (
-                        unit(Wv, g, bo * U + a, x32, xd, xsum, m0 + t))
+                        unit(Wv, g, bo * U + a, x4, xd, xsum, m0 + t))
         for a in T.unroll(NB % U):
             for t in T.unroll(tt):
                 acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + unit(
-                    Wv, g, NB // U * U + a, x32, xd, xsum, m0 + t)
+                    Wv, g, NB // U * U + a, x4, xd, xsum, m0 + t)
         for t in T.unroll(tt):
             for h in T.unroll(chains - 1):
                 acc[0, t, T.ramp(0, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)] + acc[
@@ -762,10 +771,11 @@ def _group_tile(fmt, K: int, tt: int):
     return tile
 
 
-def _group_token_tiles(fmt, K: int, finish):
+def _group_token_tiles(fmt, K: int, finish, wide: bool = False):
     """``_run_tiles`` of group g (in place of row c) against ``rows`` tokens (``_group_tile``;
-    x as int32, ``_x32``)."""
-    return _run_tiles({tt: (_group_tile(fmt, K, tt), finish(tt)) for tt in (TT, 4, 2, 1)})
+    x as ``_x_view``)."""
+    return _run_tiles({tt: (_group_tile(fmt, K, tt, wide), finish(tt))
+                       for tt in (TT, 4, 2, 1)})
 
 
 @cached
@@ -774,9 +784,9 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, N)
-    _no_wide_x(fmt, wide_x)
+    _check_wide_x(fmt, wide_x)
     G = N // ROW_GROUP
-    quantize_rows = _rows_quantizer(K, False)
+    quantize_rows = _rows_quantizer(K, wide_x)
 
     def finish(tt):
         @T.macro
@@ -791,20 +801,20 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
         return store
 
-    run = _group_token_tiles(fmt, K, finish)
+    run = _group_token_tiles(fmt, K, finish, wide_x)
     m0, co, rows = _task(G)
 
     @T.macro
     def body(x, W, y, bias, res, n):
-        xq, xd, xsum = _x_scratch(K, n, False)
+        xq, xd, xsum = _x_scratch(K, n, wide_x)
         quantize_rows(x, xq, xd, xsum, n)
         for task in T.parallel((n + MB - 1) // MB * G):
             Y = T.decl_buffer((TT * 8,), "float32")
-            run((W, as_int8(W), as_f16(W)), co(task), _x32(xq, n * K), xd, xsum, m0(task),
+            run((W, as_int8(W), as_f16(W)), co(task), _x_view(xq, n * K), xd, xsum, m0(task),
                 rows(task, n), Y, y, bias, res, 0)
 
     func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
-    return finalize(func, f"matmul_i8_{epilogue}_{N}x{K}_{wfmt}")
+    return finalize(func, f"matmul_i8{'_wx' if wide_x else ''}_{epilogue}_{N}x{K}_{wfmt}")
 
 
 @cached
@@ -846,9 +856,9 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
             Wv = (W, as_int8(W), as_f16(W))
             Y = T.decl_buffer((TT * 8,), "float32")
             G = T.decl_buffer((MB * 8,), "float32")
-            run_gate(Wv, gate_row(co(task) * ROW_GROUP) // ROW_GROUP, _x32(xq, n * K), xd,
+            run_gate(Wv, gate_row(co(task) * ROW_GROUP) // ROW_GROUP, _x_view(xq, n * K), xd,
                      xsum, m0(task), rows(task, n), Y, G, m0(task), act, co(task))
-            run_up(Wv, up_row(co(task) * ROW_GROUP) // ROW_GROUP, _x32(xq, n * K), xd, xsum,
+            run_up(Wv, up_row(co(task) * ROW_GROUP) // ROW_GROUP, _x_view(xq, n * K), xd, xsum,
                    m0(task), rows(task, n), Y, G, m0(task), act, co(task))
 
     func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
