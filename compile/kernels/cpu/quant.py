@@ -819,14 +819,19 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
 @cached
 def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
-    """``linear_swiglu_int8`` over rows interleaved by 8: tasks of (token block, 8 act rows)."""
+    """``linear_swiglu_int8`` over rows interleaved by 8: tasks of (token block, one run of
+    ``GATE_UP_ROWS`` act rows), its groups of gate rows, then its groups of up rows (W in memory
+    order, as the SwiGLU GEMV's)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, I)
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
-    GI = I // ROW_GROUP
-    m0, co, rows = _task(GI)
+    GR = GATE_UP_ROWS // ROW_GROUP  # groups per run (the last run may hold fewer)
+    m0, co, rows = _task(-(-I // GATE_UP_ROWS))
     n = token_dim(None)
+
+    def group(task, h):  # act group h of the task's run
+        return co(task) * GR + h
 
     def finish_gate(tt):
         @T.macro
@@ -852,14 +857,20 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
     def body(x, W, act, n):
         xq, xd, xsum = _x_scratch(K, n, False)
         quantize_rows(x, xq, xd, xsum, n)
-        for task in T.parallel((n + MB - 1) // MB * GI):
+        for task in T.parallel((n + MB - 1) // MB * -(-I // GATE_UP_ROWS)):
             Wv = (W, as_int8(W), as_f16(W))
             Y = T.decl_buffer((TT * 8,), "float32")
-            G = T.decl_buffer((MB * 8,), "float32")
-            run_gate(Wv, gate_row(co(task) * ROW_GROUP) // ROW_GROUP, _x_view(xq, n * K), xd,
-                     xsum, m0(task), rows(task, n), Y, G, m0(task), act, co(task))
-            run_up(Wv, up_row(co(task) * ROW_GROUP) // ROW_GROUP, _x_view(xq, n * K), xd, xsum,
-                   m0(task), rows(task, n), Y, G, m0(task), act, co(task))
+            G = T.decl_buffer((GR * MB * 8,), "float32")  # group h's gate from token h * MB on
+            for h in range(GR):
+                if group(task, h) * ROW_GROUP < I:
+                    run_gate(Wv, gate_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
+                             _x_view(xq, n * K), xd, xsum, m0(task), rows(task, n), Y, G,
+                             m0(task) - h * MB, act, group(task, h))
+            for h in range(GR):
+                if group(task, h) * ROW_GROUP < I:
+                    run_up(Wv, up_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
+                           _x_view(xq, n * K), xd, xsum, m0(task), rows(task, n), Y, G,
+                           m0(task) - h * MB, act, group(task, h))
 
     func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
     return finalize(func, f"matmul_i8_swiglu_{I}x{K}_{wfmt}")
