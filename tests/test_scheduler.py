@@ -209,13 +209,23 @@ def test_stop_strings_cut_the_text_before_them(engines):
 
 
 def test_cancelling_a_stream_frees_its_blocks(engines):
+    """Cancelled as its first piece arrives: the listener runs on the engine's thread, so the
+    cancel is queued before the next step however fast the steps are (a consumer thread
+    cancelling after its first piece can find all 50 tokens already made)."""
     batch, _ = engines
-    stream = batch.submit("hello", max_new_tokens=50)
-    pieces = iter(stream)
-    next(pieces)
-    stream.cancel()
-    rest = list(pieces)
-    assert stream.finish_reason == "cancelled" and len(rest) < 50
+    pieces, ended = [], threading.Event()
+
+    def listener(stream, delta):
+        if delta is None:
+            ended.set()
+        else:
+            pieces.append(delta)
+            if len(pieces) == 1:
+                stream.cancel()
+
+    stream = batch.submit("hello", max_new_tokens=50, listener=listener)
+    assert ended.wait(60)
+    assert stream.finish_reason == "cancelled" and len(pieces) < 50
     batch.generate_many(["a"], max_new_tokens=2)  # a step after the cancel has run
     assert _all_free(batch.scheduler)
 
