@@ -20,6 +20,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import attention_batch_func, matmul_func, rope_kv_batch_func
 from .attention import _attend_macro
@@ -176,8 +177,9 @@ def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int):
 @cached
 def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int):
     """act = silu(x @ Wg.T) * (x @ Wu.T) for B rows, W (2I, K) with gate and up rows in
-    alternating runs (``params.gate_up_row``), each row read once."""
-    assert B <= SMALL_ROWS
+    alternating runs (``params.gate_up_row``), each row read once.  A task is one run: its gate
+    rows, then its up rows, W in memory order (as the quantized SwiGLU GEMV's, docs/design.md)."""
+    assert B <= SMALL_ROWS and ROWS_PER_TASK == GATE_UP_ROWS
     dot = _rows_dot_macro(K, wdt, B)
     gate_row, up_row = gate_up_rows(I)
     tasks = -(-I // ROWS_PER_TASK)
@@ -187,12 +189,15 @@ def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int):
              act: T.Buffer((B, I), "float32")):
         with T.sblock("root"):
             for task in T.parallel(tasks):
-                gu = T.decl_buffer((2, B), "float32")
+                gate = T.decl_buffer((ROWS_PER_TASK, B), "float32")
+                up = T.decl_buffer((ROWS_PER_TASK, B), "float32")
                 for i in range(ROWS_PER_TASK):
                     if task * ROWS_PER_TASK + i < I:
-                        dot(x, W, gate_row(task * ROWS_PER_TASK + i), gu, 0)
-                        dot(x, W, up_row(task * ROWS_PER_TASK + i), gu, 1)
+                        dot(x, W, gate_row(task * ROWS_PER_TASK + i), gate, i)
+                for i in range(ROWS_PER_TASK):
+                    if task * ROWS_PER_TASK + i < I:
+                        dot(x, W, up_row(task * ROWS_PER_TASK + i), up, i)
                         for r in range(B):
-                            act[r, task * ROWS_PER_TASK + i] = silu_mul(gu[0, r], gu[1, r])
+                            act[r, task * ROWS_PER_TASK + i] = silu_mul(gate[i, r], up[i, r])
 
     return finalize(func, f"gemv_rows{B}_swiglu_{I}x{K}_{dtype_tag(wdt)}")
