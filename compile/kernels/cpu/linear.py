@@ -163,33 +163,44 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
 @cached
 def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     """act = silu(x @ Wg.T) * (x @ Wu.T), W (2I, K) = gate and up rows in alternating runs
-    (``params.gate_up_row``); act (n, I).  TN divides I and the run length, so a task's TN gate
-    (or up) rows are adjacent in W."""
+    (``params.gate_up_row``); act (n, I).  A task is one run of act rows (TN divides I and the
+    run length): per token tile its gate tiles, then its up tiles, so a first pass reads W in
+    memory order (as the SwiGLU GEMVs do, docs/design.md)."""
     TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
     assert GATE_UP_ROWS % TN == 0
     gate_row, up_row = gate_up_rows(I)
-    NT = I // TN
-    m0, co, rows = _task(NT)
+    RT = GATE_UP_ROWS // TN  # tiles per run
+    m0, co, rows = _task(-(-I // GATE_UP_ROWS))
     acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
     n = token_dim(None)
 
-    store = swiglu_store_macro(TN)
+    def c0(task, j):  # first act row of tile j of the task's run
+        return co(task) * GATE_UP_ROWS + j * TN
+
+    @T.macro
+    def run(x, W, g, u, G, act, task, m, tm, acc, first):
+        for j in range(RT):
+            if c0(task, j) < I:
+                acc(x, W, g, m, gate_row(c0(task, j)), first)
+                for r, c in T.grid(tm, TN):
+                    G[r, j * TN + c] = g[r, c, 0]
+        for j in range(RT):
+            if c0(task, j) < I:
+                acc(x, W, u, m, up_row(c0(task, j)), first)
+                for r, c in T.grid(tm, TN):
+                    act[m + r, c0(task, j) + c] = silu_mul(G[r, j * TN + c], u[r, c, 0])
 
     @T.macro
     def body(x, W, act, n):
-        for task in T.parallel((n + MB - 1) // MB * NT):
+        for task in T.parallel((n + MB - 1) // MB * -(-I // GATE_UP_ROWS)):
             g = scratch_buffer((TM, TN, VL))
             u = scratch_buffer((TM, TN, VL))
+            G = scratch_buffer((TM, GATE_UP_ROWS))
             for mo in range(rows(task, n) // TM):
-                acc_main(x, W, g, m0(task) + mo * TM, gate_row(co(task) * TN), mo == 0)
-                acc_main(x, W, u, m0(task) + mo * TM, up_row(co(task) * TN), mo == 0)
-                store(act, g, u, m0(task) + mo * TM, co(task) * TN, TM)
+                run(x, W, g, u, G, act, task, m0(task) + mo * TM, TM, acc_main, mo == 0)
             for mt in range(rows(task, n) % TM):
-                acc_tail(x, W, g, m0(task) + rows(task, n) // TM * TM + mt,
-                         gate_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
-                acc_tail(x, W, u, m0(task) + rows(task, n) // TM * TM + mt,
-                         up_row(co(task) * TN), mt == 0 and rows(task, n) < TM)
-                store(act, g, u, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1)
+                run(x, W, g, u, G, act, task, m0(task) + rows(task, n) // TM * TM + mt, 1,
+                    acc_tail, mt == 0 and rows(task, n) < TM)
 
     func = swiglu_matmul_func(body, I, K, wdt, n)
 
