@@ -170,7 +170,8 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     assert GATE_UP_ROWS % TN == 0
     gate_row, up_row = gate_up_rows(I)
     RT = GATE_UP_ROWS // TN  # tiles per run
-    m0, co, rows = _task(-(-I // GATE_UP_ROWS))
+    RUNS = -(-I // GATE_UP_ROWS)
+    m0, co, rows = _task(RUNS)
     acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
     n = token_dim(None)
 
@@ -192,7 +193,7 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
 
     @T.macro
     def body(x, W, act, n):
-        for task in T.parallel((n + MB - 1) // MB * -(-I // GATE_UP_ROWS)):
+        for task in T.parallel((n + MB - 1) // MB * RUNS):
             g = scratch_buffer((TM, TN, VL))
             u = scratch_buffer((TM, TN, VL))
             G = scratch_buffer((TM, GATE_UP_ROWS))

@@ -250,19 +250,24 @@ def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row):
     1.3-1.8x slower than a GEMV over the same bytes (docs/design.md)."""
     dot = _row_dot(fmt, K)
 
+    def rows_of(row):  # the tile's gate (or up) rows into out
+        @T.macro
+        def fill(W, Wi, Wh, xq, xd, xsum, out, a0, o):
+            for r in range(RG):
+                if a0 + r < I:
+                    dot(W, Wi, Wh, xq, xd, xsum, out, o + r, row(a0) + r)
+                else:
+                    out[o + r] = T.float32(0)
+
+        return fill
+
+    gate_rows, up_rows = rows_of(gate_row), rows_of(up_row)
+
     @T.macro
     def fill(W, xq, xd, xsum, gate, up, a0, o):
         Wi, Wh = as_int8(W), as_f16(W)
-        for r in range(RG):
-            if a0 + r < I:
-                dot(W, Wi, Wh, xq, xd, xsum, gate, o + r, gate_row(a0) + r)
-            else:
-                gate[o + r] = T.float32(0)
-        for r in range(RG):
-            if a0 + r < I:
-                dot(W, Wi, Wh, xq, xd, xsum, up, o + r, up_row(a0) + r)
-            else:
-                up[o + r] = T.float32(0)
+        gate_rows(W, Wi, Wh, xq, xd, xsum, gate, a0, o)
+        up_rows(W, Wi, Wh, xq, xd, xsum, up, a0, o)
 
     return fill
 
@@ -273,21 +278,25 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row):
     rows, in memory order as ``_row_tile_fill``'s."""
     dot = _group_dot(fmt, K)
 
+    def groups_of(row):  # the tile's groups of gate (or up) rows into out
+        @T.macro
+        def fill(Wv, xq, xd, xsum, out, a0, o):
+            for gi in range(RG // ROW_GROUP):
+                if a0 + gi * ROW_GROUP < I:
+                    dot(Wv, _x_view(xq, K), xd, xsum, 0, out, o + gi * ROW_GROUP,
+                        row(a0) // ROW_GROUP + gi)
+                else:
+                    out[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+
+        return fill
+
+    gate_groups, up_groups = groups_of(gate_row), groups_of(up_row)
+
     @T.macro
     def fill(W, xq, xd, xsum, gate, up, a0, o):
         Wv = (W, as_int8(W), as_f16(W))
-        for gi in range(RG // ROW_GROUP):
-            if a0 + gi * ROW_GROUP < I:
-                dot(Wv, _x_view(xq, K), xd, xsum, 0, gate, o + gi * ROW_GROUP,
-                    gate_row(a0) // ROW_GROUP + gi)
-            else:
-                gate[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
-        for gi in range(RG // ROW_GROUP):
-            if a0 + gi * ROW_GROUP < I:
-                dot(Wv, _x_view(xq, K), xd, xsum, 0, up, o + gi * ROW_GROUP,
-                    up_row(a0) // ROW_GROUP + gi)
-            else:
-                up[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
+        gate_groups(Wv, xq, xd, xsum, gate, a0, o)
+        up_groups(Wv, xq, xd, xsum, up, a0, o)
 
     return fill
 
@@ -827,7 +836,8 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
     GR = GATE_UP_ROWS // ROW_GROUP  # groups per run (the last run may hold fewer)
-    m0, co, rows = _task(-(-I // GATE_UP_ROWS))
+    RUNS = -(-I // GATE_UP_ROWS)
+    m0, co, rows = _task(RUNS)
     n = token_dim(None)
 
     def group(task, h):  # act group h of the task's run
@@ -857,7 +867,7 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
     def body(x, W, act, n):
         xq, xd, xsum = _x_scratch(K, n, False)
         quantize_rows(x, xq, xd, xsum, n)
-        for task in T.parallel((n + MB - 1) // MB * -(-I // GATE_UP_ROWS)):
+        for task in T.parallel((n + MB - 1) // MB * RUNS):
             Wv = (W, as_int8(W), as_f16(W))
             Y = T.decl_buffer((TT * 8,), "float32")
             G = T.decl_buffer((GR * MB * 8,), "float32")  # group h's gate from token h * MB on
