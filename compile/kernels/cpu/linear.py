@@ -2,7 +2,10 @@
 
 A register tile of ``TM`` tokens by ``TN`` weight rows: every loaded weight vector is reused
 ``TM`` times and every loaded activation vector ``TN`` times.  Accumulation is float32 in
-``VL``-lane vectors, reduced once per output.  The tile is the target's (``TILES``): 4 x 4 where
+``VL``-lane vectors, reduced once per output.  A parallel task is one weight tile against
+a block of tokens; a thread runs a contiguous run of tasks, and each task prefetches the next
+one's weight rows into L2 as it goes, so the weights stream from memory while the FMAs run
+instead of in a pass of their own.  The tile is the target's (``TILES``): 4 x 4 where
 AVX-512 has 32 vector registers; 2 x 2 on AVX2, whose 16 registers a 4 x 4 tile of 16-lane
 (two-register) accumulators would spill (docs/design.md).  (Decode uses the GEMVs of
 ``gemv.py``.)
@@ -21,13 +24,9 @@ from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func, swiglu_matmul_func
 from .fastmath import silu_mul
-from .simd import VL, prefetch_ahead_macro, scratch_buffer
+from .simd import CACHE_LINE, VL, prefetch_l2, scratch_buffer
 
 
-# The first pass over a weight tile streams it from memory: each of its rows is prefetched this
-# many bytes ahead (``prefetch_nta``), as the GEMVs do; later passes find the tile in cache.
-# Measured in docs/design.md (Batched decode).
-PREFETCH_BYTES = {"float32": 4096, "float16": 4096}
 MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
 # (tokens, at most this many weight rows) per register tile, by whether the target has AVX-512
 TILES = {True: {"linear": (4, 4), "swiglu": (4, 4)},
@@ -49,23 +48,21 @@ def _task(NT: int):
     return m0, (lambda task: task % NT), (lambda task, n: T.min(n - m0(task), MB))
 
 
-def _reduce_macro(K, wdt, TM, TN, prefetch_bytes: int = 0):
-    """acc[r, c, :] += x[m0 + r, k] * W[c0 + c, k] over all k; tail k handled scalar.  With
-    ``prefetch_bytes``, each of the TN rows is prefetched that far ahead of its reads (the
-    first pass over a weight tile, which streams it from memory; later passes find it in
-    cache)."""
+def _passes(rows, TM: int):
+    """The tile passes a task over ``rows`` tokens makes: its full TM-token tiles, then one
+    pass per token left over."""
+    return rows // TM + rows % TM
+
+
+def _reduce_macro(K, wdt, TM, TN):
+    """acc[r, c, :] += x[m0 + r, k] * W[c0 + c, k] over all k; tail k handled scalar."""
     KO, KT = K // VL, K % VL
-    prefetch = prefetch_ahead_macro(VL, wdt, prefetch_bytes)
 
     @T.macro
     def accumulate(x, W, acc, m0, c0):
         for r, c, v in T.grid(TM, TN, VL):
             acc[r, c, v] = T.float32(0)
-        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
         for ko in range(KO):
-            if prefetch_bytes > 0:
-                for c in T.unroll(TN):
-                    prefetch(flat, (c0 + c) * K + ko * VL)
             for r in T.unroll(TM):  # unrolled: acc stays in registers
                 for c in T.unroll(TN):
                     for v in T.vectorized(VL):
@@ -86,19 +83,28 @@ def _reduce_macro(K, wdt, TM, TN, prefetch_bytes: int = 0):
     return accumulate
 
 
-def _pass_macro(K, wdt, TM, TN):
-    """``accumulate(x, W, acc, m0, c0, first)``: ``_reduce_macro``'s tile pass, prefetching the
-    weight rows (``PREFETCH_BYTES`` ahead) where ``first`` (the pass that brings the tile from
-    memory)."""
-    plain = _reduce_macro(K, wdt, TM, TN)
-    fetching = _reduce_macro(K, wdt, TM, TN, PREFETCH_BYTES[wdt])
+def _pass_macro(K, wdt, TM, TN, ahead_rows: int, slots: int):
+    """``accumulate(x, W, acc, m0, c0, r0, p, passes, a)``: ``_reduce_macro``'s tile pass,
+    after prefetching into L2 its share of the ``ahead_rows`` weight rows from ``r0`` (the next
+    task's, contiguous in W).  A task makes ``passes`` passes (one per token tile) of ``slots``
+    tile passes each; this is slot ``a`` of pass ``p``, and takes the rows whose index is that
+    slot modulo all the task's slots, so the next task's rows arrive spread over the whole task
+    (every row once, however few its token tiles).  The prefetch is a burst of a row's lines
+    before the FMA loop, not a prefetch per step inside it: there it made LLVM keep the 1 KiB
+    accumulator tile (a heap workspace) in memory, a store per multiply-add."""
+    reduce = _reduce_macro(K, wdt, TM, TN)
+    per_line = CACHE_LINE // (2 if wdt == "float16" else 4)  # elements per cache line
+    lines = -(-K // per_line)
 
     @T.macro
-    def accumulate(x, W, acc, m0, c0, first):
-        if first:
-            fetching(x, W, acc, m0, c0)
-        else:
-            plain(x, W, acc, m0, c0)
+    def accumulate(x, W, acc, m0, c0, r0, p, passes, a):
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
+        if p * slots + a < ahead_rows:  # rows p * slots + a + i * (passes * slots)
+            for i in range((ahead_rows - 1 - p * slots - a) // (passes * slots) + 1):
+                for line in range(lines):
+                    prefetch_l2(T.address_of(
+                        flat[(r0 + p * slots + a + i * passes * slots) * K + line * per_line]))
+        reduce(x, W, acc, m0, c0)
 
     return accumulate
 
@@ -136,7 +142,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
     most this many weight rows) per register tile."""
     assert epilogue in EPILOGUES
     TM, TN = tile[0], pick_tile(N, tuple(t for t in (4, 2, 1) if t <= tile[1]))
-    acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
+    acc_main, acc_tail = _pass_macro(K, wdt, TM, TN, TN, 1), _pass_macro(K, wdt, 1, TN, TN, 1)
     store = store_macro(epilogue, TN)
 
     NT = N // TN
@@ -144,15 +150,18 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
 
     @T.macro
     def body(x, W, y, bias, res, n):
-        # a thread sweeps the weight tiles (L3) against one block of activations in its L2
+        # a thread sweeps the weight tiles against one block of activations in its L2, each
+        # tile prefetched into L2 by the task before (a thread runs a contiguous run of tasks)
         for task in T.parallel((n + MB - 1) // MB * NT):
             acc = scratch_buffer((TM, TN, VL))
             for mo in range(rows(task, n) // TM):
-                acc_main(x, W, acc, m0(task) + mo * TM, co(task) * TN, mo == 0)
+                acc_main(x, W, acc, m0(task) + mo * TM, co(task) * TN, co(task + 1) * TN, mo,
+                         _passes(rows(task, n), TM), 0)
                 store(y, acc, m0(task) + mo * TM, co(task) * TN, TM, bias, res)
             for mt in range(rows(task, n) % TM):
                 acc_tail(x, W, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN,
-                         mt == 0 and rows(task, n) < TM)
+                         co(task + 1) * TN, rows(task, n) // TM + mt, _passes(rows(task, n), TM),
+                         0)
                 store(y, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1,
                       bias, res)
 
@@ -172,22 +181,25 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
     RT = GATE_UP_ROWS // TN  # tiles per run
     RUNS = -(-I // GATE_UP_ROWS)
     m0, co, rows = _task(RUNS)
-    acc_main, acc_tail = _pass_macro(K, wdt, TM, TN), _pass_macro(K, wdt, 1, TN)
+    RR = 2 * GATE_UP_ROWS  # W rows per run: its gate rows, then its up rows
+    acc_main = _pass_macro(K, wdt, TM, TN, RR, 2 * RT)
+    acc_tail = _pass_macro(K, wdt, 1, TN, RR, 2 * RT)
     n = token_dim(None)
 
     def c0(task, j):  # first act row of tile j of the task's run
         return co(task) * GATE_UP_ROWS + j * TN
 
     @T.macro
-    def run(x, W, g, u, G, act, task, m, tm, acc, first):
+    def run(x, W, g, u, G, act, task, m, tm, acc, p, passes):
+        # prefetching the next task's run (the next RR rows of W, wrapping) as it goes
         for j in range(RT):
             if c0(task, j) < I:
-                acc(x, W, g, m, gate_row(c0(task, j)), first)
+                acc(x, W, g, m, gate_row(c0(task, j)), co(task + 1) * RR, p, passes, j)
                 for r, c in T.grid(tm, TN):
                     G[r, j * TN + c] = g[r, c, 0]
         for j in range(RT):
             if c0(task, j) < I:
-                acc(x, W, u, m, up_row(c0(task, j)), first)
+                acc(x, W, u, m, up_row(c0(task, j)), co(task + 1) * RR, p, passes, RT + j)
                 for r, c in T.grid(tm, TN):
                     act[m + r, c0(task, j) + c] = silu_mul(G[r, j * TN + c], u[r, c, 0])
 
@@ -198,10 +210,11 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
             u = scratch_buffer((TM, TN, VL))
             G = scratch_buffer((TM, GATE_UP_ROWS))
             for mo in range(rows(task, n) // TM):
-                run(x, W, g, u, G, act, task, m0(task) + mo * TM, TM, acc_main, mo == 0)
+                run(x, W, g, u, G, act, task, m0(task) + mo * TM, TM, acc_main, mo,
+                    _passes(rows(task, n), TM))
             for mt in range(rows(task, n) % TM):
                 run(x, W, g, u, G, act, task, m0(task) + rows(task, n) // TM * TM + mt, 1,
-                    acc_tail, mt == 0 and rows(task, n) < TM)
+                    acc_tail, rows(task, n) // TM + mt, _passes(rows(task, n), TM))
 
     func = swiglu_matmul_func(body, I, K, wdt, n)
 

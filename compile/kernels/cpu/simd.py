@@ -22,6 +22,12 @@ def prefetch_nta(address):
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
 
 
+def prefetch_l2(address):
+    """Hint the CPU to bring the cache line at ``address`` into L2 (``llvm.prefetch``: read,
+    locality 2, ``prefetcht1``): data a later loop reads, more than once; never faults."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+
+
 def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
     """``prefetch(flat, i)``: ``prefetch_nta`` each cache line of the ``step_elems`` elements of
     ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
