@@ -92,15 +92,15 @@ class _Builder:
             ("residual", [res]) if res is not None else ("none", []))
         if self.decode:
             return self.call(self.k.gemv(N, K, wdt, epilogue, **opts), [x, w] + extra, (1, N))
-        if self._small_rows(wdt):
+        if self._small_rows(wdt, K):
             return self.call(self.k.linear_rows(N, K, wdt, epilogue, self.rows, **opts),
                              [x, w] + extra, (n, N))
         return self.call(self.k.linear(N, K, wdt, epilogue, **opts), [x, w] + extra, (n, N))
 
-    def _small_rows(self, wdt: str) -> bool:
+    def _small_rows(self, wdt: str, K: int) -> bool:
         """Whether this batch bucket is small enough for the small-batch kernels (float: the
         GEMVs streaming each weight row once for all rows; quantized: the int8 tiles)."""
-        return self.rows is not None and self.rows <= self.k.small_rows_limit(wdt)
+        return self.rows is not None and self.k.takes_small_rows(wdt, self.rows, K)
 
     def norm_linear(self, x, g, w, n, N, K, bias=None):
         """rmsnorm(x) * g @ W.T (+ bias): one fused GEMV for decode, norm + matmul for prefill."""
@@ -119,7 +119,7 @@ class _Builder:
             return self.call(self.k.gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w],
                              (1, inter))
         xn = self.call(self.k.rmsnorm(h, cfg.rms_norm_eps, None), [x, g], (n, h))
-        if self._small_rows(wdt):
+        if self._small_rows(wdt, h):
             return self.call(self.k.linear_swiglu_rows(inter, h, wdt, self.rows), [xn, w],
                              (n, inter))
         return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))

@@ -476,3 +476,19 @@ def test_batch_buckets_over_interleaved_rows_take_the_int8_tile():
     assert all(k.small_rows_limit(f) >= 1024 for f in X8_FORMATS)
     assert k.small_rows_limit("q4_0") == k.small_rows_limit("q6_k") == quant.SMALL_ROWS
     assert k.small_rows_limit("float16") == FLOAT_SMALL_ROWS
+
+
+def test_float_small_buckets_take_the_matmul_once_x_outgrows_l1():
+    """Float weights: the small-batch GEMVs while the bucket's rows of x (float32) fit in
+    SMALL_ROWS_X_BYTES, the matmul past that; quantized weights ignore the limit."""
+    from paged_decode.compile.kernels.cpu.batch import SMALL_ROWS, SMALL_ROWS_X_BYTES
+    from paged_decode.compile.kernels.registry import kernels_for
+
+    k = kernels_for("llvm")
+    k_fit = SMALL_ROWS_X_BYTES // (4 * SMALL_ROWS)  # the K at which 8 rows of x fill it
+    assert k.takes_small_rows("float16", SMALL_ROWS, k_fit - 1)
+    assert not k.takes_small_rows("float16", SMALL_ROWS, k_fit)
+    assert not k.takes_small_rows("float32", SMALL_ROWS, 2048)
+    assert k.takes_small_rows("float32", 2, 2048)
+    assert not k.takes_small_rows("float16", SMALL_ROWS + 1, 64)
+    assert k.takes_small_rows("q4_0", quant.SMALL_ROWS, 8192)

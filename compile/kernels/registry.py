@@ -44,6 +44,9 @@ class KernelSet:
     small_rows: int = 0
     small_rows_quant: int = 0
     small_rows_interleaved: int = 0  # matrices with rows interleaved (``formats.interleaved``)
+    # float weights: the small-batch kernels only while all rows of x take less than this many
+    # bytes (float32), since they sweep x once per weight row; 0: no limit
+    small_rows_x_bytes: int = 0
     # whether a quantized LM head's kernels take int16 activations (``wide_x``: the CPU's
     # integer dot products; the GPU kernels keep x float32)
     quant_head_wide_x: bool = False
@@ -54,6 +57,14 @@ class KernelSet:
         if fmt.grouped:
             return self.small_rows_interleaved
         return self.small_rows_quant if fmt.quantized else self.small_rows
+
+    def takes_small_rows(self, wdt: str, rows: int, K: int) -> bool:
+        """Whether a batch bucket of ``rows`` rows multiplies a ``(N, K)`` matrix in ``wdt``
+        with the small-batch kernels rather than the matmul."""
+        if rows > self.small_rows_limit(wdt):
+            return False
+        x_bytes = self.small_rows_x_bytes
+        return FORMATS[wdt].quantized or not x_bytes or rows * K * 4 < x_bytes
 
 
 # Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have

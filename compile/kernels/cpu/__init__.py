@@ -55,4 +55,4 @@ def cpu_kernels(avx512: bool = True) -> KernelSet:
                      _by_format(batch.gemv_rows, quant.linear_rows),
                      _by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
-                     quant_head_wide_x=True)
+                     small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)

@@ -109,6 +109,9 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
 # per pair of rows).  Accumulators: B x KU vectors of 8 lanes, KU = 8 // B: eight independent FMA
 # chains where B divides 8 (B for B = 5-7), within the 16 AVX2 registers with the operands.
 SMALL_ROWS = 8
+# ... while the B rows of x fit in a 32 KiB L1D: each weight row sweeps all of them, from L2
+# past that, where the matmul (which reuses a weight tile across token tiles) is faster
+SMALL_ROWS_X_BYTES = 32 << 10
 ROWS_PER_TASK = 16  # weight rows per parallel task (a contiguous run of the matrix)
 RL = 8  # lanes per accumulator
 
