@@ -27,7 +27,7 @@ from .attention import _attend_macro
 from .fastmath import silu_mul
 from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
-from .simd import prefetch_ahead_macro, scratch_buffer
+from .simd import lane_slice, prefetch_ahead_macro, scratch_buffer
 
 
 def _row_table(bt, r, cap: int):
@@ -73,30 +73,55 @@ def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cd
     return finalize(func, f"rope_kv_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
 
 
+# Batched attention splits each row's kv heads into slices so a step has at least this many
+# parallel tasks (rows x slices), for machines with more cores than a small bucket has rows.
+MIN_ATTN_TASKS = 16
+
+
 @cached
 def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
                           B: int):
     """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
-    table; the (row, kv head) tasks run in parallel."""
-    _, _, attend, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
+    table.  A task is a row and a slice of its kv heads; it walks the row's blocks in table
+    order and, in each block, its heads in turn (each head's online-softmax state kept apart),
+    so it reads each block's K and V runs front to back: one (row, kv head) per task instead
+    read every block of the row for one head, then again for the next, a stream per block at
+    once that the hardware prefetcher lost from the second block on (docs/design.md)."""
+    init, step, _, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
     check = _check_rows(B, bs, cap, nb)
 
+    S = min(Hkv, -(-MIN_ATTN_TASKS // B))  # kv-head slices per row
+
+    def h0(sl):  # first kv head of slice ``sl``
+        return sl * Hkv // S
+
     @T.macro
     def body(q, k_pool, v_pool, bt, context_lens, out):
         check(bt, context_lens)
-        for task in T.parallel(B * Hkv):  # (row, kv head)
-            if context_lens[task // Hkv] > 0:
-                acc = scratch_buffer(acc_shape)
-                st = scratch_buffer(st_shape)
+        for task in T.parallel(B * S):  # (row, slice of kv heads)
+            if context_lens[task // S] > 0:
+                acc_all = scratch_buffer((Hkv,) + acc_shape)  # every head's running state
+                st_all = scratch_buffer((Hkv,) + st_shape)
                 rs = scratch_buffer(r_shape)
                 scores = scratch_buffer(s_shape)
-                attend(q, k_pool, v_pool, _row_table(bt, task // Hkv, cap), out,
-                       task // Hkv, task % Hkv, context_lens[task // Hkv], acc, st, rs, scores)
+                for kvh in range(h0(task % S), h0(task % S + 1)):
+                    init(lane_slice(acc_all, kvh, acc_shape), lane_slice(st_all, kvh, st_shape))
+                for b in range((context_lens[task // S] + bs - 1) // bs):
+                    for kvh in range(h0(task % S), h0(task % S + 1)):
+                        step(q, k_pool, v_pool, _row_table(bt, task // S, cap), task // S, kvh,
+                             b, context_lens[task // S], lane_slice(acc_all, kvh, acc_shape),
+                             lane_slice(st_all, kvh, st_shape), rs, scores)
+                for kvh in range(h0(task % S), h0(task % S + 1)):
+                    for g in range(G):
+                        for d in T.vectorized(D):
+                            out[task // S, (kvh * G + g) * D + d] = (
+                                acc_all[kvh, g, d] / st_all[kvh, 1, g])
             else:
-                for c in T.vectorized(G * D):
-                    out[task // Hkv, task % Hkv * G * D + c] = T.float32(0)
+                for kvh in range(h0(task % S), h0(task % S + 1)):
+                    for c in T.vectorized(G * D):
+                        out[task // S, kvh * G * D + c] = T.float32(0)
 
     func = attention_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
     return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
