@@ -84,9 +84,8 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
     """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
     table.  A task is a row and a slice of its kv heads; it walks the row's blocks in table
     order and, in each block, its heads in turn (each head's online-softmax state kept apart),
-    so it reads each block's K and V runs front to back: one (row, kv head) per task instead
-    read every block of the row for one head, then again for the next, a stream per block at
-    once that the hardware prefetcher lost from the second block on (docs/design.md)."""
+    so it reads each block's K and V runs front to back, one stream the hardware prefetcher
+    follows, rather than one per block (docs/design.md)."""
     init, step, _, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
     acc_shape, st_shape, r_shape, s_shape = shapes
     bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
