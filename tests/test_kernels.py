@@ -423,3 +423,23 @@ def test_the_matmul_tile_follows_the_targets_vector_registers(mcpu, tile):
     kernels = kernels_for("llvm", target)
     assert kernels.linear.keywords["tile"] == tile
     assert kernels.linear_swiglu.keywords["tile"] == tile
+
+
+@pytest.mark.parametrize("mcpu,l2_formats", [("znver4", {"float16", "q4_k", "q4_kx8"}),
+                                             ("znver3", set()), ("sapphirerapids", set())])
+def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
+    """Zen 4 prefetches float16 and Q4_K rows into L2 (prefetcht1); every other format there,
+    and every format elsewhere, keeps the non-temporal prefetch; the generated code says so."""
+    from paged_decode.compile.formats import FORMATS
+    from paged_decode.compile.kernels.cpu import prefetch_locality
+    from paged_decode.compile.kernels.cpu.simd import L2, NTA
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+    l2 = kernels_for("llvm", target).gemv.args[2]
+    for wfmt in FORMATS:
+        assert prefetch_locality(wfmt, l2) == (L2 if wfmt in l2_formats else NTA), wfmt
+    fn = kernels_for("llvm", target).gemv(64, 256, "float16", "none")
+    asm = tvm.compile(fn, target=target).mod.inspect_source("asm")
+    want, other = ("prefetcht1", "prefetchnta") if "float16" in l2_formats else (
+        "prefetchnta", "prefetcht1")
+    assert want in asm and other not in asm

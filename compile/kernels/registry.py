@@ -104,7 +104,8 @@ def kernels_for(target_kind: str, target=None) -> KernelSet:
     if target_kind == "llvm":
         from .cpu import cpu_kernels, has_avx512
 
-        return cpu_kernels(avx512=target is None or has_avx512(target))
+        mcpu = None if target is None else str(target.attrs.get("mcpu", "")) or None
+        return cpu_kernels(avx512=target is None or has_avx512(target), mcpu=mcpu)
     from .gpu import gpu_kernels
 
     if target_kind in NO_INT64_BUFFERS:

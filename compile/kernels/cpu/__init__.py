@@ -7,7 +7,20 @@ import functools
 from ...formats import FORMATS
 from ..registry import KernelSet
 from . import attention, batch, gemv, linear, norm, quant, rope_kv
-from .simd import K_BLOCK_LAYOUT
+from .simd import K_BLOCK_LAYOUT, L2, NTA
+
+# Weight formats whose decode GEMVs prefetch their rows into L2 (``prefetcht1``) instead of as
+# data used once (``prefetchnta``), by the target's CPU (its ``mcpu``): on Zen 4 float16 and
+# Q4_K streamed 1.12-1.25x faster so, other formats the same or slower (docs/design.md); the
+# other CPUs keep the non-temporal prefetch they were measured with.
+L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k"})}
+
+
+def prefetch_locality(wfmt: str, l2_formats=frozenset()) -> int:
+    """The software prefetch hint of a decode GEMV over weights in ``wfmt`` (a layout
+    interleaved by 8 goes by its base format)."""
+    fmt = FORMATS[wfmt]
+    return L2 if (fmt.base.name if fmt.grouped else fmt.name) in l2_formats else NTA
 
 
 def _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs):
@@ -39,11 +52,22 @@ def has_avx2(target) -> bool:
         return False
 
 
-def cpu_kernels(avx512: bool = True) -> KernelSet:
+def _pick_gemv(float_factory, quant_factory, l2_formats, rows, K, wfmt, *args, **kwargs):
+    return _pick(float_factory, quant_factory, rows, K, wfmt, *args,
+                 locality=prefetch_locality(wfmt, l2_formats), **kwargs)
+
+
+def _gemv_by_format(float_factory, quant_factory, l2_formats):
+    """``_by_format`` for the decode GEMVs, which also take the target's prefetch hint."""
+    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats)
+
+
+def cpu_kernels(avx512: bool = True, mcpu: str | None = None) -> KernelSet:
     tiles = linear.TILES[avx512]
+    l2_formats = L2_PREFETCH.get(mcpu, frozenset())
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
-                     _by_format(gemv.gemv, quant.gemv), _by_format(gemv.gemv_swiglu,
-                                                                   quant.gemv_swiglu),
+                     _gemv_by_format(gemv.gemv, quant.gemv, l2_formats),
+                     _gemv_by_format(gemv.gemv_swiglu, quant.gemv_swiglu, l2_formats),
                      _by_format(linear.linear, quant.linear, tile=tiles["linear"]),
                      _by_format(linear.linear_swiglu, quant.linear_swiglu,
                                 tile=tiles["swiglu"]),

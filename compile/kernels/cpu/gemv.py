@@ -30,7 +30,7 @@ from ...params import GATE_UP_ROWS
 from ..common import cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import gemv_func
 from .fastmath import silu_mul
-from .simd import (VL, claimed_units, lane_slice, lane_sum_macro, prefetch_ahead_macro,
+from .simd import (NTA, VL, claimed_units, lane_slice, lane_sum_macro, prefetch_ahead_macro,
                    scratch_buffer)
 
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
@@ -46,9 +46,9 @@ RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) togethe
 SWIGLU_UNIT_ROWS = RG * SWIGLU_UNIT_TILES  # act rows per SwiGLU unit
 
 
-def _macros(K: int, eps: float, wdt: str):
+def _macros(K: int, eps: float, wdt: str, locality: int):
     KO, KT = K // (VL * KU), K % (VL * KU)
-    step_prefetch = prefetch_ahead_macro(KU * VL, wdt, PREFETCH_BYTES[wdt])
+    step_prefetch = prefetch_ahead_macro(KU * VL, wdt, PREFETCH_BYTES[wdt], locality)
     lane_sum = lane_sum_macro(VL)
 
     @T.macro
@@ -171,10 +171,12 @@ def row_pairs(K: int, wdt: str) -> bool:
 
 
 @cached
-def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None):
-    """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g."""
+def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | None = None,
+         locality: int = NTA):
+    """y = rmsnorm?(x) @ W.T (+ bias | + res).  ``norm_eps`` set -> takes the norm gain g;
+    ``locality``: the weights' software prefetch hint (the target's, ``cpu.prefetch_locality``)."""
     norm, xdt, pairs = norm_eps is not None, x_dtype(K, wdt), row_pairs(K, wdt)
-    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt)
+    normalize, tile_rows = _macros(K, norm_eps or 0.0, wdt, locality)
     run_units, lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
     @T.macro
@@ -232,10 +234,10 @@ def swiglu_store(act, gate, up, u, I):
         act[0, u * SWIGLU_UNIT_ROWS + r] = gate[r]
 
 @cached
-def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float):
+def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float, locality: int = NTA):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g; W (2I, K) = gate and up rows
-    in alternating runs (``params.gate_up_row``)."""
-    normalize, tile_rows = _macros(K, norm_eps, wdt)
+    in alternating runs (``params.gate_up_row``); ``locality`` as for ``gemv``."""
+    normalize, tile_rows = _macros(K, norm_eps, wdt, locality)
     xdt = x_dtype(K, wdt)
     UT = SWIGLU_UNIT_TILES
     UR = RG * UT  # act rows per unit

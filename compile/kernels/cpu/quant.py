@@ -45,7 +45,7 @@ from .fastmath import silu_mul
 from .gemv import PARALLEL_MIN_ELEMS, RG, SWIGLU_UNIT_TILES, _macros, swiglu_store
 from .linear import (DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_macro,
                      swiglu_store_macro)
-from .simd import VL, claimed_units, prefetch_ahead_macro, scratch_buffer
+from .simd import NTA, VL, claimed_units, prefetch_ahead_macro, scratch_buffer
 
 ACCS = 4  # independent accumulators per row (blocks in flight)
 # How far ahead of a GEMV row's read position its bytes are prefetched: 1024 for the 4- to
@@ -102,13 +102,13 @@ def _row_quantizer(K: int, wide: bool = False):
     return quantize
 
 
-def _row_dot(fmt, K: int, wide: bool = False):
+def _row_dot(fmt, K: int, wide: bool = False, locality: int = NTA):
     """``dot(W, Wi, Wh, xq, xd, xsum, Y, r, c)``: Y[r] = row c of W . x, x quantized per
     32-block to int8 (``int_dot``), or ``wide`` to int16 (``wide_dot``: the LM head)."""
     NB = K // QBLOCK
     RB, U, STEP = _row_step(fmt, K)
     prefetch = prefetch_ahead_macro(STEP if U > ACCS else 64, "uint8",
-                                    PREFETCH_BYTES.get(fmt.name, PREFETCH_DEFAULT))
+                                    PREFETCH_BYTES.get(fmt.name, PREFETCH_DEFAULT), locality)
     unit_dot = fmt.wide_dot if wide else fmt.int_dot  # int32x8 (AVX2)
 
     @T.macro
@@ -146,7 +146,7 @@ def _row_dot(fmt, K: int, wide: bool = False):
 def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False):
     """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (to int8;
     ``wide``: int16)."""
-    normalize = _macros(K, eps, "float32")[0]
+    normalize = _macros(K, eps, "float32", NTA)[0]
     quantize = _row_quantizer(K, wide)
 
     @T.macro
@@ -170,10 +170,10 @@ def _check_fits(fmt, K: int, N: int | None = None):
                          "multiple")
 
 
-def _row_fill(fmt, K: int, N: int, wide_x: bool):
+def _row_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
     """``fill(W, xq, xd, xsum, Y, u)``: Y[r] = row u RG + r of W . x for the 16-row unit's
     rows below N (``_row_dot``)."""
-    dot = _row_dot(fmt, K, wide_x)
+    dot = _row_dot(fmt, K, wide_x, locality)
 
     @T.macro
     def fill(W, xq, xd, xsum, Y, u):
@@ -185,9 +185,9 @@ def _row_fill(fmt, K: int, N: int, wide_x: bool):
     return fill
 
 
-def _group_fill(fmt, K: int, N: int, wide_x: bool):
+def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
     """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
-    dot = _group_dot(fmt, K, wide_x)
+    dot = _group_dot(fmt, K, wide_x, locality)
     GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
 
     @T.macro
@@ -202,17 +202,18 @@ def _group_fill(fmt, K: int, N: int, wide_x: bool):
 
 @cached
 def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
-         wide_x: bool = False):
+         wide_x: bool = False, locality: int = NTA):
     """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``wide_x``: x quantized
     to int16, not int8 (the LM head, whose logits pick the token: int8 activations there flip
-    near ties; docs/design.md); of the layouts interleaved by 8, Q8_0's takes it."""
+    near ties; docs/design.md); of the layouts interleaved by 8, Q8_0's takes it.
+    ``locality``: the weights' software prefetch hint (``cpu.prefetch_locality``)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, N)
     if fmt.grouped:
         _check_wide_x(fmt, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
-    fill = _group_fill(fmt, K, N, wide_x) if fmt.grouped else _row_fill(fmt, K, N, wide_x)
+    fill = (_group_fill if fmt.grouped else _row_fill)(fmt, K, N, wide_x, locality)
     xdt = "int16" if wide_x else "int8"
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
@@ -242,13 +243,13 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{wfmt}")
 
 
-def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row):
+def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int):
     """``fill(W, xq, xd, xsum, gate, up, a0, o)``: gate[o + r] / up[o + r] = act row a0 + r's
     gate / up dot product for the RG rows of a tile (0 past I: defined values for the vector
     SiLU, never stored).  The tile's gate rows, then its up rows: W in memory order.  Taking
     each act row's gate and up rows in turn (jumping between the two runs) made the SwiGLU GEMV
     1.3-1.8x slower than a GEMV over the same bytes (docs/design.md)."""
-    dot = _row_dot(fmt, K)
+    dot = _row_dot(fmt, K, False, locality)
 
     def rows_of(row):  # the tile's gate (or up) rows into out
         @T.macro
@@ -272,11 +273,11 @@ def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row):
     return fill
 
 
-def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row):
+def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int):
     """``_row_tile_fill`` over rows interleaved by 8 (I a multiple of 8: a group never
     straddles a gate run and an up run): the tile's two groups of gate rows, then its two of up
     rows, in memory order as ``_row_tile_fill``'s."""
-    dot = _group_dot(fmt, K)
+    dot = _group_dot(fmt, K, False, locality)
 
     def groups_of(row):  # the tile's groups of gate (or up) rows into out
         @T.macro
@@ -302,9 +303,9 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row):
 
 
 @cached
-def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
+def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g, W (2I, K) quantized, gate and up
-    rows in alternating runs (``params.gate_up_row``)."""
+    rows in alternating runs (``params.gate_up_row``); ``locality`` as for ``gemv``."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, I)
     NB = K // QBLOCK
@@ -314,7 +315,8 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float):
     run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
     assert RG == GATE_UP_ROWS
     gate_row, up_row = gate_up_rows(I)
-    fill = (_group_tile_fill if fmt.grouped else _row_tile_fill)(fmt, K, I, gate_row, up_row)
+    fill = (_group_tile_fill if fmt.grouped else _row_tile_fill)(fmt, K, I, gate_row, up_row,
+                                                                 locality)
 
     @T.macro
     def unit(lane, u, W, xq, xd, xsum, act):
@@ -700,7 +702,7 @@ def _x_view(xq, count):
                          data=xq.data)
 
 
-def _group_dot(fmt, K: int, wide: bool = False):
+def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA):
     """``dot(Wv, x4, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
     x quantized per 32-block to int8 (``wide``: int16; ``x4`` its ``_x_view`` from element
     ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four
@@ -709,7 +711,7 @@ def _group_dot(fmt, K: int, wide: bool = False):
     NB = K // QBLOCK
     U = max(ACCS, fmt.block // QBLOCK)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8",
-                                    PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT))
+                                    PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT), locality)
     group_dot = fmt.group_dot_wide if wide else fmt.group_dot
 
     def unit(Wv, g, b, x4, xd, xsum, x0):

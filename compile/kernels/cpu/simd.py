@@ -14,22 +14,29 @@ VL = 16  # f32 vector lanes the CPU kernels accumulate in (one AVX-512 register;
 CACHE_LINE = 64  # bytes
 
 
-def prefetch_nta(address):
+NTA, L2 = 0, 2  # ``llvm.prefetch`` localities: prefetchnta, prefetcht1
+
+
+def prefetch_hint(address, locality: int):
     """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) close to
-    the core as data used once (``llvm.prefetch``: read, locality 0, ``prefetchnta``; where the
-    line goes, and how it is kept from crowding out other data, is up to the CPU); never faults,
-    so it needs no bounds check."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 0, 1))
+    the core (``llvm.prefetch``, read): ``NTA`` as data used once (``prefetchnta``; where the
+    line goes, and how it is kept from crowding out other data, is up to the CPU), ``L2`` into
+    L2 (``prefetcht1``); never faults, so it needs no bounds check."""
+    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, locality, 1))
+
+
+def prefetch_nta(address):
+    """``prefetch_hint(address, NTA)``."""
+    return prefetch_hint(address, NTA)
 
 
 def prefetch_l2(address):
-    """Hint the CPU to bring the cache line at ``address`` into L2 (``llvm.prefetch``: read,
-    locality 2, ``prefetcht1``): data a later loop reads, more than once; never faults."""
-    return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 2, 1))
+    """``prefetch_hint(address, L2)``: data a later loop reads, more than once."""
+    return prefetch_hint(address, L2)
 
 
-def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
-    """``prefetch(flat, i)``: ``prefetch_nta`` each cache line of the ``step_elems`` elements of
+def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int, locality: int = NTA):
+    """``prefetch(flat, i)``: ``prefetch_hint`` (``locality``) each cache line of the ``step_elems`` elements of
     ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
     once per step of their read loop, or, ``ahead_bytes`` 0, once for a span about to be read;
     past the buffer's end is harmless: a prefetch never faults)."""
@@ -40,7 +47,7 @@ def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int):
     @T.macro
     def prefetch(flat, i):
         for line in T.unroll(lines):
-            prefetch_nta(T.address_of(flat[i + line * per_line + ahead]))
+            prefetch_hint(T.address_of(flat[i + line * per_line + ahead]), locality)
 
     return prefetch
 
