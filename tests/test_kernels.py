@@ -438,8 +438,10 @@ def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
     l2 = kernels_for("llvm", target).gemv.args[2]
     for wfmt in FORMATS:
         assert prefetch_locality(wfmt, l2) == (L2 if wfmt in l2_formats else NTA), wfmt
-    fn = kernels_for("llvm", target).gemv(64, 256, "float16", "none")
-    asm = tvm.compile(fn, target=target).mod.inspect_source("asm")
     want, other = ("prefetcht1", "prefetchnta") if "float16" in l2_formats else (
         "prefetchnta", "prefetcht1")
-    assert want in asm and other not in asm
+    kernels = kernels_for("llvm", target)
+    for fn in (kernels.gemv(64, 256, "float16", "none"),
+               kernels.linear_rows(64, 256, "float16", "none", 4)):  # and the small-batch GEMV
+        asm = tvm.compile(fn, target=target).mod.inspect_source("asm")
+        assert want in asm and other not in asm

@@ -52,14 +52,17 @@ def has_avx2(target) -> bool:
         return False
 
 
-def _pick_gemv(float_factory, quant_factory, l2_formats, rows, K, wfmt, *args, **kwargs):
-    return _pick(float_factory, quant_factory, rows, K, wfmt, *args,
-                 locality=prefetch_locality(wfmt, l2_formats), **kwargs)
+def _pick_gemv(float_factory, quant_factory, l2_formats, quant_hint, rows, K, wfmt, *args,
+               **kwargs):
+    if quant_hint or not FORMATS[wfmt].quantized:
+        kwargs["locality"] = prefetch_locality(wfmt, l2_formats)
+    return _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs)
 
 
-def _gemv_by_format(float_factory, quant_factory, l2_formats):
-    """``_by_format`` for the decode GEMVs, which also take the target's prefetch hint."""
-    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats)
+def _gemv_by_format(float_factory, quant_factory, l2_formats, quant_hint=True):
+    """``_by_format`` for the weight-streaming kernels, which also take the target's prefetch
+    hint (the quantized factory too where ``quant_hint``)."""
+    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats, quant_hint)
 
 
 def cpu_kernels(avx512: bool = True, mcpu: str | None = None) -> KernelSet:
@@ -76,7 +79,8 @@ def cpu_kernels(avx512: bool = True, mcpu: str | None = None) -> KernelSet:
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     _by_format(batch.gemv_rows, quant.linear_rows),
-                     _by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows),
+                     _gemv_by_format(batch.gemv_rows, quant.linear_rows, l2_formats, False),
+                     _gemv_by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows,
+                                     l2_formats, False),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
                      small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)

@@ -27,7 +27,7 @@ from .attention import _attend_macro
 from .fastmath import silu_mul
 from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
-from .simd import lane_slice, prefetch_ahead_macro, scratch_buffer
+from .simd import NTA, lane_slice, prefetch_ahead_macro, scratch_buffer
 
 
 def _row_table(bt, r, cap: int):
@@ -140,11 +140,12 @@ ROWS_PER_TASK = 16  # weight rows per parallel task (a contiguous run of the mat
 RL = 8  # lanes per accumulator
 
 
-def _rows_dot_macro(K: int, wdt: str, B: int):
-    """``dot(x, W, c, out, o)``: out[o, r] = x[r] . W[c] for the B rows (float32)."""
+def _rows_dot_macro(K: int, wdt: str, B: int, locality: int):
+    """``dot(x, W, c, out, o)``: out[o, r] = x[r] . W[c] for the B rows (float32), W's row
+    prefetched ahead with hint ``locality`` (the decode GEMV's, ``cpu.prefetch_locality``)."""
     KU = max(1, RL // B)
     KO, KT = K // (RL * KU), K % (RL * KU)
-    prefetch = prefetch_ahead_macro(RL * KU, wdt, PREFETCH_BYTES[wdt])
+    prefetch = prefetch_ahead_macro(RL * KU, wdt, PREFETCH_BYTES[wdt], locality)
 
     @T.macro
     def dot(x, W, c, out, o):
@@ -174,10 +175,10 @@ def _rows_dot_macro(K: int, wdt: str, B: int):
 
 
 @cached
-def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int):
+def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int, locality: int = NTA):
     """y = x @ W.T (+ bias | + res) for B rows (B <= ``SMALL_ROWS``), each weight row read once."""
     assert epilogue in EPILOGUES and B <= SMALL_ROWS
-    dot = _rows_dot_macro(K, wdt, B)
+    dot = _rows_dot_macro(K, wdt, B, locality)
     tasks = -(-N // ROWS_PER_TASK)
 
     @T.macro
@@ -202,12 +203,12 @@ def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int):
 
 
 @cached
-def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int):
+def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int, locality: int = NTA):
     """act = silu(x @ Wg.T) * (x @ Wu.T) for B rows, W (2I, K) with gate and up rows in
     alternating runs (``params.gate_up_row``), each row read once.  A task is one run: its gate
     rows, then its up rows, W in memory order (as the quantized SwiGLU GEMV's, docs/design.md)."""
     assert B <= SMALL_ROWS and ROWS_PER_TASK == GATE_UP_ROWS
-    dot = _rows_dot_macro(K, wdt, B)
+    dot = _rows_dot_macro(K, wdt, B, locality)
     gate_row, up_row = gate_up_rows(I)
     tasks = -(-I // ROWS_PER_TASK)
 
