@@ -435,12 +435,12 @@ def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
     from paged_decode.compile.kernels.cpu.simd import L2, NTA
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
-    l2 = kernels_for("llvm", target).gemv.args[2]
+    kernels = kernels_for("llvm", target)
+    l2 = kernels.gemv.args[2]
     for wfmt in FORMATS:
         assert prefetch_locality(wfmt, l2) == (L2 if wfmt in l2_formats else NTA), wfmt
     want, other = ("prefetcht1", "prefetchnta") if "float16" in l2_formats else (
         "prefetchnta", "prefetcht1")
-    kernels = kernels_for("llvm", target)
     for fn in (kernels.gemv(64, 256, "float16", "none"),
                kernels.linear_rows(64, 256, "float16", "none", 4)):  # and the small-batch GEMV
         asm = tvm.compile(fn, target=target).mod.inspect_source("asm")

@@ -48,7 +48,7 @@ SCORE_FLOATS, SCORE_CHAINS = 192, 8
 # whole blocks, at most about PART_ROWS rows per part, at least two parts, at most MAX_PARTS), so
 # a lane reads one run of Hkv * block_size * D elements per block from K and one from V.
 PART_ROWS, MAX_PARTS = 128, 16
-# Software prefetch as data read once (``prefetch_nta``), ROW_PREFETCH_BYTES ahead of each K
+# Software prefetch as data read once (``prefetchnta``), ROW_PREFETCH_BYTES ahead of each K
 # column step / V row, past a block's end into the table's next block (``ahead_index``): the
 # hardware prefetcher restarts at every jump of a scattered table.
 ROW_PREFETCH_BYTES = 4096

@@ -40,7 +40,7 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
 # Each row step also prefetches the weights this many bytes ahead as data read once
-# (``prefetch_nta``), on top of the hardware prefetcher; distances measured in docs/design.md.
+# (``prefetchnta``), on top of the hardware prefetcher; distances measured in docs/design.md.
 PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 SWIGLU_UNIT_ROWS = RG * SWIGLU_UNIT_TILES  # act rows per SwiGLU unit

@@ -18,13 +18,14 @@ The SwiGLU variant reads W (2I, K), gate and up rows in alternating runs
 
 from __future__ import annotations
 
+import numpy as np
 from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func, swiglu_matmul_func
 from .fastmath import silu_mul
-from .simd import CACHE_LINE, VL, prefetch_l2, scratch_buffer
+from .simd import CACHE_LINE, L2, VL, prefetch_hint, scratch_buffer
 
 
 MB = 64  # tokens per block a thread keeps in L2 while it sweeps the weight tiles
@@ -93,7 +94,7 @@ def _pass_macro(K, wdt, TM, TN, ahead_rows: int, slots: int):
     before the FMA loop, not a prefetch per step inside it: there it made LLVM keep the 1 KiB
     accumulator tile (a heap workspace) in memory, a store per multiply-add."""
     reduce = _reduce_macro(K, wdt, TM, TN)
-    per_line = CACHE_LINE // (2 if wdt == "float16" else 4)  # elements per cache line
+    per_line = CACHE_LINE // np.dtype(wdt).itemsize  # elements per cache line
     lines = -(-K // per_line)
 
     @T.macro
@@ -102,8 +103,9 @@ def _pass_macro(K, wdt, TM, TN, ahead_rows: int, slots: int):
         if p * slots + a < ahead_rows:  # rows p * slots + a + i * (passes * slots)
             for i in range((ahead_rows - 1 - p * slots - a) // (passes * slots) + 1):
                 for line in range(lines):
-                    prefetch_l2(T.address_of(
-                        flat[(r0 + p * slots + a + i * passes * slots) * K + line * per_line]))
+                    prefetch_hint(T.address_of(
+                        flat[(r0 + p * slots + a + i * passes * slots) * K + line * per_line]),
+                        L2)
         reduce(x, W, acc, m0, c0)
 
     return accumulate

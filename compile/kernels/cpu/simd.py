@@ -25,19 +25,9 @@ def prefetch_hint(address, locality: int):
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, locality, 1))
 
 
-def prefetch_nta(address):
-    """``prefetch_hint(address, NTA)``."""
-    return prefetch_hint(address, NTA)
-
-
-def prefetch_l2(address):
-    """``prefetch_hint(address, L2)``: data a later loop reads, more than once."""
-    return prefetch_hint(address, L2)
-
-
 def prefetch_ahead_macro(step_elems: int, dtype: str, ahead_bytes: int, locality: int = NTA):
-    """``prefetch(flat, i)``: ``prefetch_hint`` (``locality``) each cache line of the ``step_elems`` elements of
-    ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
+    """``prefetch(flat, i)``: ``prefetch_hint`` (``locality``) each cache line of the
+    ``step_elems`` elements of ``dtype`` at ``flat[i]``, ``ahead_bytes`` further on (the kernels' software prefetch, issued
     once per step of their read loop, or, ``ahead_bytes`` 0, once for a span about to be read;
     past the buffer's end is harmless: a prefetch never faults)."""
     esize = np.dtype(dtype).itemsize
