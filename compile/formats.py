@@ -39,6 +39,8 @@ from tvm.script import tirx as T
 
 from paged_decode.runtime.manifest import INTERLEAVED_SUFFIX
 
+from . import kquant
+
 QBLOCK = 32  # weights per kernel unit; the block of the 32-weight formats
 QK_K = 256  # weights per super-block of the k-quants
 
@@ -385,62 +387,55 @@ def _k_pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     return np.concatenate([lo, mid, hi], axis=1)
 
 
-def _rint_clip(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """ggml's nearest_int (round half to even), clipped."""
-    return np.clip(np.rint(x), lo, hi)
-
-
-def _fit_min_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of x (..., n): (scale, m) with x ~ scale * q - m, q in 0..nmax, m >= 0 (the
-    minimum is clamped to at most 0, as ggml's make_qkx2_quants does): a min / max start,
-    then one least-squares refit of (scale, m) to the quants that start gives."""
-    lo = np.minimum(x.min(axis=-1), 0)
-    scale = (x.max(axis=-1) - lo) / np.float32(nmax)
-    q = _rint_clip((x - lo[..., None]) * _inverse(scale)[..., None], 0, nmax)
-    n = np.float32(x.shape[-1])
-    sl, sx = q.sum(-1), x.sum(-1)
-    sll, slx = (q * q).sum(-1), (q * x).sum(-1)
-    det = n * sll - sl * sl
+def _requantize(x: np.ndarray, offset: np.ndarray | None, step: np.ndarray, lo: int, hi: int,
+                searched: np.ndarray) -> np.ndarray:
+    """ggml's last k-quant pass: q = nearest_int((x + offset) / step) clipped to lo..hi against the
+    stored (quantized) scales, in float32 with ggml's division; a sub-block whose step is 0 keeps
+    the quants its search gave (``searched``), as ggml's ``if (!d) continue`` does."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        a = np.where(det > 0, (n * slx - sl * sx) / det, scale)
-        b = np.where(det > 0, (sx - a * sl) / n, lo)
-        a0 = np.where(sll > 0, slx / sll, scale)  # the refit with the minimum held at 0
-    fixed = (b > 0) | (a <= 0)
-    a, b = np.where(fixed, np.where(lo < 0, scale, a0), a), np.where(fixed, lo, b)
-    return np.maximum(a, 0).astype(np.float32), np.maximum(-b, 0).astype(np.float32)
+        q = np.clip(np.rint((x if offset is None else x + offset[..., None]) / step[..., None]),
+                    lo, hi)
+    return np.where(step[..., None] != 0, q, searched)
 
 
 def _k_superblock_scales(values: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(n, 8) non-negative sub-block values -> (float16 super scale (n, 1), quantized (n, 8))
-    with value ~ super * q, q in 0..levels (ggml: inv = levels / max, q = nearest_int)."""
-    top = values.max(axis=1, keepdims=True)
-    q = _rint_clip(values * (np.float32(levels) * _inverse(top)), 0, levels)
-    return (top / np.float32(levels)).astype(np.float16), q
+    """(n, 8) sub-block scales or mins -> (float16 super scale (n, 1), 6-bit codes (n, 8)) as
+    ggml's reference quantizer makes them: max = the largest value (at least 0), codes =
+    min(levels, nearest_int(levels / max * value)) taken modulo 256 as its uint8 is,
+    super = max / levels."""
+    top = np.maximum(values.max(axis=1, keepdims=True), np.float32(0))
+    with np.errstate(divide="ignore"):
+        inv = np.where(top > 0, np.float32(levels) / top, np.float32(0)).astype(np.float32)
+    codes = np.minimum(np.rint(inv * values).astype(np.int64) & 255, levels)
+    return (top / np.float32(levels)).astype(np.float16), codes.astype(np.float32)
 
 
 class _KMin(WeightFormat):
     """Q4_K / Q5_K: eight 32-weight sub-blocks, each w = d sc_s q - dmin m_s with 6-bit sc_s, m_s
-    and q in 0..2^bits - 1.  The quantizer fits (scale, min) per sub-block by min / max and one
-    least-squares refit (ggml searches further), then quantizes the eight scales and mins to 6
-    bits against the super-block's d and dmin and requantizes q against those."""
+    and q in 0..2^bits - 1.  The quantizer is ggml's reference one (``quantize_row_q4_K_ref``,
+    what llama-quantize runs without an importance matrix), byte for byte: each sub-block's
+    (scale, min) from a grid search weighted by ``sqrt(mean(x^2)) + |x|`` (``kquant``), the eight
+    scales and mins quantized to 6 bits against the super-block's d and dmin, q requantized
+    against those."""
 
     block_weights = QK_K
     has_offset = True
     bits = 4
+    search = (-1.0, 0.1, 20)  # (rmin, rdelta, nstep) of quantize_row_q4_K_ref's scale grid
 
     @property
     def _qs(self) -> int:  # byte offset of the nibbles in a super-block
         return 16 if self.bits == 4 else 48
 
     def _quantize_blocks(self, blocks):
-        nmax = (1 << self.bits) - 1
-        sub = blocks.reshape(-1, 8, 32)
-        scale, mn = _fit_min_scale(sub, nmax)
-        d, sc = _k_superblock_scales(scale, 63)
-        dmin, mq = _k_superblock_scales(mn, 63)
+        nmax, n = (1 << self.bits) - 1, len(blocks)
+        scale, mn, searched = kquant.fit_min_scale(blocks.reshape(-1, 32), nmax, *self.search)
+        d, sc = _k_superblock_scales(scale.reshape(n, 8), 63)
+        dmin, mq = _k_superblock_scales(mn.reshape(n, 8), 63)
         ds = d.astype(np.float32) * sc
         dm = dmin.astype(np.float32) * mq
-        q = _rint_clip((sub + dm[..., None]) * _inverse(ds)[..., None], 0, nmax).astype(np.uint8)
+        q = _requantize(blocks.reshape(n, 8, 32), dm, ds, 0, nmax,
+                        searched.reshape(n, 8, 32)).astype(np.uint8)
         low = (q & 15).reshape(-1, 4, 2, 32)
         parts = [d.view(np.uint8), dmin.view(np.uint8), _k_pack_scales(sc, mq)]
         if self.bits == 5:
@@ -560,24 +555,32 @@ class _Q4_K(_KMin):
 
 class _Q5_K(_KMin):
     bits = 5
+    search = (-0.5, 0.1, 15)  # quantize_row_q5_K_ref's
 
 
 class _Q6_K(WeightFormat):
-    """Sixteen 16-weight sub-blocks, w = d sc_s (q - 32), int8 sc_s, q in 0..63.  The quantizer:
-    per sub-block the weight of largest magnitude maps to -32 (as ggml's make_qx_quants starts),
-    the sixteen scales to int8 against d = (largest-magnitude scale) / -128, q requantized."""
+    """Sixteen 16-weight sub-blocks, w = d sc_s (q - 32), int8 sc_s, q in 0..63.  The quantizer is
+    ggml's reference one (``quantize_row_q6_K_ref``), byte for byte: each sub-block's scale from
+    ``make_qx_quants``' search weighted by x^2 (``kquant``), the sixteen scales to int8 against
+    d = (largest-magnitude scale) / -128, q requantized against those; a super-block whose
+    scales are all below ggml's 1e-15 is all zeros."""
 
     block_weights = QK_K
 
     def _quantize_blocks(self, blocks):
-        sub = blocks.reshape(-1, 16, 16)
-        big = np.take_along_axis(sub, np.abs(sub).argmax(axis=2)[..., None], axis=2)[..., 0]
-        scale = big / np.float32(-32)
+        n = len(blocks)
+        scale, searched = kquant.fit_symmetric(blocks.reshape(-1, 16), 32)
+        scale = scale.reshape(n, 16)
         top = np.take_along_axis(scale, np.abs(scale).argmax(axis=1)[:, None], axis=1)
-        d = (top / np.float32(-128)).astype(np.float16)
-        sc = _rint_clip(scale * (np.float32(-128) * _inverse(top)), -128, 127)
+        empty = np.abs(top) < np.float32(1e-15)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inv = np.float32(-128) / top
+            d = np.where(empty, 0, np.float32(1) / inv).astype(np.float16)
+            sc = np.where(empty, 0, np.clip(np.rint(inv * scale), -128, 127)).astype(np.float32)
         ds = d.astype(np.float32) * sc
-        q = (_rint_clip(sub * _inverse(ds)[..., None], -32, 31) + 32).astype(np.uint8)
+        q = _requantize(blocks.reshape(n, 16, 16), None, ds, -32, 31,
+                        searched.reshape(n, 16, 16).astype(np.float32) - 32) + 32
+        q = np.where(empty[..., None], 0, q).astype(np.uint8)
         q = q.reshape(-1, 2, 4, 32)  # (n, half, p, l): weight 128 half + 32 p + l
         ql = (q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)  # (n, half, 2, 32)
         qh = (q >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
