@@ -72,10 +72,12 @@ def build_options(fn):
         click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
                      show_default=True, type=click.Choice(
                          ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1", "q4_k",
-                          "q5_k", "q6_k"]),
+                          "q5_k", "q6_k", "q4_k_m", "q5_k_m"]),
                      help="how matrices are stored and read: auto keeps a GGUF's own formats "
                      "(float32 for HF checkpoints); float32 / float16 dequantize; q8_0 / q4_0 "
-                     "/ q4_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0)"),
+                     "/ q4_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0); q4_k_m / "
+                     "q5_k_m: llama.cpp's mixes of those names (Q6_K LM head, V and down "
+                     "projections of some layers)"),
         click.option("--batch-buckets", default=None, type=_Buckets(),
                      help="rows of each compiled batched decode step, e.g. 2,4,8, or none "
                      "(default: 2,4,8,16,32 on the CPU, none on GPUs)"),

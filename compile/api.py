@@ -105,7 +105,7 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
     name = artifact_name(spec, target)
     options = {"target": cli_target(target.key_string), "block_size": spec.block_size,
                "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
-               "weight_dtype": _policy_arg(spec)}
+               "weight_dtype": _policy_arg(spec, model_arg)}
     hint = compile_command(model_arg, options, root)
     if spec.batch_buckets != default_buckets(target.kind):
         hint += f" --batch-buckets {buckets_arg(spec.batch_buckets)}"
@@ -113,10 +113,10 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
                               _manifest_complete, policy, hint, **lock)
 
 
-def _policy_arg(spec: BuildSpec) -> str:
-    """The ``--weight-dtype`` that gives ``spec``'s formats again: its one format, or "auto"
-    for a GGUF's own mix."""
-    return weight_policy(spec.weight_dtype, spec.weight_formats)
+def _policy_arg(spec: BuildSpec, model_arg: str | None = None) -> str:
+    """The ``--weight-dtype`` that gives ``spec``'s formats again: its one format, a k-quant
+    mix, or "auto" for a GGUF's own mix."""
+    return weight_policy(spec.weight_dtype, spec.weight_formats, model_arg)
 
 
 def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path,
@@ -158,8 +158,9 @@ def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: s
            if weight_formats else "")
     name = (f"{cache.safe_name(source.config.name)}-{source.weights_key}-{weight_dtype}{mix}"
             f"-w{WEIGHTS_FORMAT}")
-    hint = compile_command(source.cli_name or source.config.name,
-                           {"weight_dtype": weight_policy(weight_dtype, weight_formats)}, root)
+    model = source.cli_name or source.config.name
+    hint = compile_command(model, {"weight_dtype": weight_policy(
+        weight_dtype, weight_formats, str(source.path) if source.kind == "gguf" else model)}, root)
     return cache.locked_build(
         wroot, name, lambda d: write_weight_pack(source, weight_dtype, d, weight_formats),
         _weights_complete, policy, hint, **lock)

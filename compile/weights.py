@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from paged_decode.runtime.errors import ConfigError, WeightsError
+from paged_decode.runtime.manifest import K_QUANT_MIXES
 
 from . import config as config_mod
 from .config import ModelConfig
@@ -577,7 +578,11 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
             for name in matrix_shapes(source.config)}
 
 
-WEIGHT_POLICIES = ("auto", *USER_FORMATS)
+# llama.cpp's k-quant mixes (llama-quantize's Q4_K_M / Q5_K_M, without an importance matrix):
+# the k-quant everywhere but Q6_K for the LM head (or tied embedding) and for V and the down
+# projection of the layers ``more_bits`` picks
+MIX_POLICIES = K_QUANT_MIXES
+WEIGHT_POLICIES = ("auto", *USER_FORMATS, *MIX_POLICIES)
 # a k-quant policy's format for a matrix whose rows are not whole 256-weight super-blocks
 # (SmolLM2's 576): the 32-weight format of at least its precision (llama.cpp falls back the
 # same way, to Q5_0 / Q5_1 / Q8_0, formats not run here)
@@ -609,6 +614,34 @@ def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, st
     return chosen
 
 
+def more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers and every third
+    layer between them take Q6_K for V and the down projection in the _M mixes."""
+    eighth = n_layers // 8
+    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def _mix_formats(cfg: ModelConfig, base: str, head: str) -> dict[str, str]:
+    """``{matrix: format}`` of a k-quant mix (``MIX_POLICIES``) before the row-length fallback;
+    a layer whose V differs from Q / K keeps its rows apart (``params.split_qkv``).  As
+    llama.cpp does for what it types a 70B model (80 layers, grouped-query attention), V
+    outside the Q6_K layers takes Q5_K where the mix would give it Q4_K."""
+    chosen = {name: base for name in matrix_shapes(cfg)}
+    v_rest = "q5_k" if (cfg.n_layers == 80 and cfg.n_kv_heads < cfg.n_q_heads
+                        and base == "q4_k") else base
+    for layer in range(cfg.n_layers):
+        p = f"layers.{layer}."
+        if more_bits(layer, cfg.n_layers):
+            chosen.update({p + "wv": "q6_k", p + "w_down": "q6_k"})
+        elif v_rest != base:
+            chosen[p + "wv"] = v_rest
+        if p + "wv" in chosen:
+            del chosen[p + "wqkv"]
+            chosen[p + "wqk"] = base
+    chosen[head] = "q6_k"
+    return chosen
+
+
 def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None = None
                     ) -> tuple[str, tuple[tuple[str, str], ...]]:
     """``(weight_dtype, weight_formats)`` for ``policy``: the format of most matrices and the
@@ -618,6 +651,8 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     - a quantized format: every matrix quantized to it, except the LM head (the tied
       embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision; a matrix
       whose rows are not whole blocks takes ``K_QUANT_FALLBACK`` (k-quants), else float16.
+    - "q4_k_m" / "q5_k_m": llama.cpp's mix of that name (``MIX_POLICIES``), tensor for tensor,
+      with the same row-length fallback.
     - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
       parts differ in type, or of a type without kernels here, becomes float16 with a
       warning naming it); float32 for HF checkpoints and presets.
@@ -626,7 +661,7 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     """
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
-    if policy in QUANT_FORMATS and no_quantized:
+    if (policy in QUANT_FORMATS or policy in MIX_POLICIES) and no_quantized:
         raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; choose float16 (or "
                           "auto, which dequantizes a GGUF's quantized tensors) on this target")
     shapes = matrix_shapes(source.config)
@@ -635,6 +670,8 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
         chosen = _auto_formats(source, no_quantized)
+    elif policy in MIX_POLICIES:
+        chosen = _mix_formats(source.config, MIX_POLICIES[policy], head)
     else:
         chosen = {name: policy for name in shapes}
         if head in chosen and policy != "q8_0":

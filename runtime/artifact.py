@@ -69,7 +69,8 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     opts.update((field, source[field]) for field in (
         "block_size", "max_blocks_cap", "cache_dtype") if field in source)
     if isinstance(source.get("weight_dtype"), str):
-        opts["weight_dtype"] = weight_policy(source["weight_dtype"], source.get("weight_formats"))
+        opts["weight_dtype"] = weight_policy(source["weight_dtype"], source.get("weight_formats"),
+                                             name)
     buckets = source.get("batch_buckets")
     default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
     extra = (f" --batch-buckets {buckets_arg(buckets)}"
@@ -239,10 +240,11 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     model = m.model_arg or m.name
     mixed = m.key.get("weight_formats") if isinstance(m.key, dict) else None
     hint = ("convert the weights again with "
-            f"`{_pack_command(model, weight_policy(m.weight_dtype, mixed), path)}`")
+            f"`{_pack_command(model, weight_policy(m.weight_dtype, mixed, model), path)}`")
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if isinstance(meta.get("model_arg"), str) and isinstance(meta.get("weight_dtype"), str):
-        policy = weight_policy(meta["weight_dtype"], meta.get("weight_formats"))
+        policy = weight_policy(meta["weight_dtype"], meta.get("weight_formats"),
+                               meta["model_arg"])
         hint = ("convert the weights again with "
                 f"`{_pack_command(meta['model_arg'], policy, path)}`")
     if meta.get("weights_format") != WEIGHTS_FORMAT:

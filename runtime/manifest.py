@@ -69,12 +69,16 @@ DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 # layout of q8_0 / q4_0 / q4_1 / q4_k; compile/formats.py): the same format to whoever
 # chooses it
 INTERLEAVED_SUFFIX = "x8"
+# --weight-dtype's llama.cpp k-quant mixes and the k-quant each is made of (with Q6_K)
+K_QUANT_MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}
 
 
-def weight_policy(weight_dtype, weight_formats) -> str:
+def weight_policy(weight_dtype, weight_formats, model: str | None = None) -> str:
     """The ``--weight-dtype`` that chooses these formats again: their one format (interleaved
     or not; a quantized format's LM head, or tied embedding, in Q8_0 is that format's own
-    choice), else "auto" (a GGUF's own mix).  Damaged values (from a file) give "auto"."""
+    choice); one k-quant with Q6_K exceptions is llama.cpp's mix "q4_k_m" / "q5_k_m" when the
+    model (what ``--model`` took) is not a GGUF; else "auto" (a GGUF's own mix).  Damaged
+    values (from a file) give "auto"."""
     try:
         formats = dict(weight_formats or {})
     except (TypeError, ValueError):
@@ -84,7 +88,11 @@ def weight_policy(weight_dtype, weight_formats) -> str:
                                             and f.removesuffix(INTERLEAVED_SUFFIX) == "q8_0")}
     if isinstance(weight_dtype, str):
         names.add(weight_dtype.removesuffix(INTERLEAVED_SUFFIX))
-    return names.pop() if len(names) == 1 else "auto"
+    if len(names) == 1:
+        return names.pop()
+    from_gguf = model is None or str(model).lower().endswith(".gguf")
+    mix = {frozenset((base, "q6_k")): policy for policy, base in K_QUANT_MIXES.items()}
+    return mix.get(frozenset(names), "auto") if not from_gguf else "auto"
 
 
 DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")

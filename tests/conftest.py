@@ -168,7 +168,7 @@ QUANT_KERNEL_RTOL = 1e-4
 SMOL_NATIVE_LOGIT_TOL = {"prefill": 0.05, "decode": 1.5}
 # A random checkpoint quantized by our quantizer: greedy logits within this distance (max abs,
 # relative to the float model's largest logit) of the float32 model's.
-QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2, "q4_k": 0.2}
+QUANT_MODEL_RTOL = {"q8_0": 0.02, "q4_0": 0.2, "q4_1": 0.2, "q4_k": 0.2, "q4_k_m": 0.2}
 # Native quantized weights against the same weights dequantized to float32 (only the decode
 # GEMVs' int8 activations differ): logits within this distance, relative to the largest.
 NATIVE_VS_DEQUANT_RTOL = 0.02

@@ -4,6 +4,7 @@ read the packed blocks against numpy."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from pathlib import Path
 
 import gguf
@@ -199,6 +200,76 @@ def test_k_quantizer_round_trips_through_gguf_within_its_error(fmt):
     assert np.sqrt((err ** 2).mean() / (w[3:] ** 2).mean()) < K_QUANT_RMS[fmt]
     assert np.abs(back[2, 256:] - w[2, 256:]).max() < 0.25
     assert np.isfinite(back).all()
+
+
+# the layers whose V and down projection llama.cpp's quantizer stored in Q6_K when it made the
+# Q4_K_M file of the TinyLlama-1.1B shape (22 layers) from a float16 GGUF (llama-cpp-python 0.3.36)
+LLAMA_Q4_K_M_Q6_K_LAYERS_OF_22 = {0, 1, 4, 7, 10, 13, 16, 19, 20, 21}
+
+
+@pytest.mark.parametrize("mix,base", [("q4_k_m", "q4_k"), ("q5_k_m", "q5_k")])
+def test_k_quant_mixes_choose_llamacpps_formats(mix, base):
+    """--weight-format q4_k_m / q5_k_m: the k-quant everywhere but Q6_K for the LM head and for
+    V (its rows apart from Q / K) and the down projection of the layers llama.cpp picks; rebuild
+    hints name the mix for an HF / preset model, "auto" for a GGUF (its own mix)."""
+    from paged_decode.compile.params import param_specs
+    from paged_decode.compile.weights import interleave_formats, resolve_formats, resolve_model
+    from paged_decode.runtime.manifest import weight_policy
+
+    source = resolve_model("tinyllama-1.1b")
+    assert source.config.n_layers == 22 and not source.config.tie_word_embeddings
+    weight_dtype, others = resolve_formats(source, mix)
+    want = {"lm_head": "q6_k"}
+    for layer in sorted(LLAMA_Q4_K_M_Q6_K_LAYERS_OF_22):
+        want.update({f"layers.{layer}.wv": "q6_k", f"layers.{layer}.w_down": "q6_k"})
+    assert (weight_dtype, dict(others)) == (base, want)
+    names = {s.name for s in param_specs(source.config, weight_dtype, others)}
+    assert {"layers.0.wqk", "layers.0.wv", "layers.2.wqkv"} <= names
+    assert not {"layers.0.wqkv", "layers.2.wv"} & names
+    stored = interleave_formats(source.config, weight_dtype, others)
+    assert weight_policy(*stored, "tinyllama-1.1b") == mix
+    assert weight_policy(*stored, "/models/tinyllama-q4_k_m.gguf") == "auto"
+    # what llama.cpp types a 70B (80 layers, grouped-query attention): the other layers' V in
+    # Q5_K where the mix gives Q4_K
+    big = dataclasses.replace(source, config=dataclasses.replace(source.config, n_layers=80))
+    v = [f for n, f in resolve_formats(big, mix)[1] if n.endswith(".wv")]
+    assert sorted(v) == ["q5_k"] * (40 if base == "q4_k" else 0) + ["q6_k"] * 40
+
+
+# llama-160m's shape, and a narrow one of 80 layers with grouped-query attention (llama.cpp's
+# 70B rule)
+MIX_SHAPES = {"llama-160m": {}, "80-layer-gqa": dict(
+    n_layers=80, hidden_size=256, n_q_heads=4, n_kv_heads=1, head_dim=64, intermediate_size=512,
+    vocab_size=512)}
+
+
+@pytest.mark.parametrize("shape", sorted(MIX_SHAPES))
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_k_quant_mixes_are_llama_quantizes_byte_for_byte(mix, shape, tmp_path):
+    """Every parameter of our mix of a float16 GGUF is the bytes llama.cpp's quantizer
+    (``llama_model_quantize``, no importance matrix) writes for that file."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) "
+                                    "runs llama.cpp's quantizer")
+    from paged_decode.bench import baselines
+    from paged_decode.compile.weights import resolve_formats, resolve_model
+
+    preset = resolve_model("llama-160m")
+    preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config,
+                                                                    **MIX_SHAPES[shape]))
+    f16 = baselines.write_gguf(preset.config, preset.load_params("float32"),
+                               tmp_path / "f16.gguf", "float16")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix.upper()}")
+    params.nthread = 2
+    out = tmp_path / f"{mix}.gguf"
+    assert llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), params) == 0
+    source, theirs = resolve_model(str(f16)), resolve_model(str(out))
+    assert resolve_formats(source, mix) == resolve_formats(theirs, "auto")
+    ours, stored = (s.load_params(*resolve_formats(s, p)) for s, p in ((source, mix),
+                                                                        (theirs, "auto")))
+    assert ours.keys() == stored.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], stored[name], err_msg=name)
 
 
 def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
