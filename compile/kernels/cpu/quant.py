@@ -54,6 +54,11 @@ ACCS = 4  # independent accumulators per row (blocks in flight)
 # at 12.5, none at 12.5; 2048-wide rows 5 % faster at 512 than at either)
 PREFETCH_BYTES = {"q8_0": 512}
 PREFETCH_DEFAULT = 1024
+# A decode GEMV over Q4_K rows interleaved by 8 reads one stream 1184 bytes (a super-block of
+# 8 rows) per step, so 1024 ahead lands within the step being read: 6144 ahead (about five
+# steps) runs its TinyLlama-1.1B shapes 1.3-2.0x faster alone (paired, out of cache). The
+# fused SwiGLU GEMV, two streams (gate and up) in turn, keeps 1024: 0.93-0.97x at 3072-6144.
+PREFETCH_ONE_STREAM = {"q4_k": 6144}
 
 
 def _storage(fmt, N: int, K: int) -> tuple:
@@ -187,7 +192,7 @@ def _row_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
 
 def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
     """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
-    dot = _group_dot(fmt, K, wide_x, locality)
+    dot = _group_dot(fmt, K, wide_x, locality, PREFETCH_ONE_STREAM.get(fmt.base.name))
     GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
 
     @T.macro
@@ -702,16 +707,16 @@ def _x_view(xq, count):
                          data=xq.data)
 
 
-def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA):
+def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int | None = None):
     """``dot(Wv, x4, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
     x quantized per 32-block to int8 (``wide``: int16; ``x4`` its ``_x_view`` from element
     ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four
     accumulators; a k-quant steps whole super-blocks (8 units), so each unit's sub-block is a
-    constant."""
+    constant.  ``ahead``: the prefetch distance in bytes (default: the format's)."""
     NB = K // QBLOCK
     U = max(ACCS, fmt.block // QBLOCK)
-    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8",
-                                    PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT), locality)
+    ahead = ahead or PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT)
+    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", ahead, locality)
     group_dot = fmt.group_dot_wide if wide else fmt.group_dot
 
     def unit(Wv, g, b, x4, xd, xsum, x0):
