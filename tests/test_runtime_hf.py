@@ -219,40 +219,37 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
                                rtol=0)
 
 
+def _assert_tracks_float(artifact, weights, ckpt, fmt: str):
+    """8 greedy tokens of ours from the artifact: logits within QUANT_MODEL_RTOL[fmt] (of their
+    largest magnitude) of transformers' float32 model on the same tokens."""
+    from paged_decode.compile.weights import resolve_model
+
+    logits, tokens = run_ours(artifact, weights, PROMPT, 8)
+    source = resolve_model(str(ckpt.path))
+    want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)
+    want = want[len(PROMPT) - 1:]
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.array(logits), want, atol=QUANT_MODEL_RTOL[fmt] * scale, rtol=0)
+
+
 def test_hf_checkpoint_quantized_to_q4_k_tracks_float(load, llama_wide_ckpt):
     """``--weight-format q4_k`` on an HF directory: matrices in Q4_K (the LM head Q8_0), logits
     within QUANT_MODEL_RTOL of transformers' float32 model."""
-    from paged_decode.compile.weights import resolve_model
-
     artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k", block_size=4,
                              max_context=64)
     assert artifact.manifest.weight_dtype == "q4_kx8"  # the CPU layout
     assert artifact.manifest.key["weight_formats"] == {"embed": "q4_k", "lm_head": "q8_0x8"}
-    logits, tokens = run_ours(artifact, weights, PROMPT, 8)
-    source = resolve_model(str(llama_wide_ckpt.path))
-    want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)
-    want = want[len(PROMPT) - 1:]
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(np.array(logits), want, atol=QUANT_MODEL_RTOL["q4_k"] * scale,
-                               rtol=0)
+    _assert_tracks_float(artifact, weights, llama_wide_ckpt, "q4_k")
 
 
 def test_hf_checkpoint_in_the_q4_k_m_mix_tracks_float(load, llama_wide_ckpt):
     """``--weight-format q4_k_m`` on an HF directory: llama.cpp's mix (of 2 layers, layer 1
     takes Q6_K V, its rows apart from Q / K, and down projection; the LM head Q6_K), logits
     within QUANT_MODEL_RTOL of transformers' float32 model."""
-    from paged_decode.compile.weights import resolve_model
-
     artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k_m", block_size=4,
                              max_context=64)
     assert artifact.manifest.weight_dtype == "q4_kx8"
     assert artifact.manifest.key["weight_formats"] == {
         "embed": "q4_k", "lm_head": "q6_k", "layers.1.wv": "q6_k", "layers.1.w_down": "q6_k"}
     assert "layers.1.wqk" in {p[0] for p in artifact.manifest.params}
-    logits, tokens = run_ours(artifact, weights, PROMPT, 8)
-    source = resolve_model(str(llama_wide_ckpt.path))
-    want = _hf_logits(source.config, source.load_params("float32"), PROMPT + tokens)
-    want = want[len(PROMPT) - 1:]
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(np.array(logits), want, atol=QUANT_MODEL_RTOL["q4_k_m"] * scale,
-                               rtol=0)
+    _assert_tracks_float(artifact, weights, llama_wide_ckpt, "q4_k_m")
