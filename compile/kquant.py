@@ -5,7 +5,10 @@ passes over the sub-block. In numpy that is minutes for a 1.1B model; as one TIR
 sub-block per vector lane, it is seconds.
 
 The kernels repeat ggml's float32 operations in ggml's order, one rounding per operation, so the
-bytes equal those of ggml's reference quantizer. That needs multiply-adds left unfused: LLVM
+bytes equal those of ggml's reference quantizer (for finite weights within float16's range: where
+ggml's magic-number rounding overflows, on values ggml itself turns to garbage, a sub-block of
+only subnormal weights or a super-block whose scale overflows float16, the unused quants or the
+overflowed fields may differ). That needs multiply-adds left unfused: LLVM
 fuses them into FMAs wherever the target has the instruction, so the kernels are built for the
 host without it (x86: AVX2 without FMA, 8 lanes; see ``_target``). The super-block step after
 the search (6- or 8-bit sub-block scales, requantizing against them) is cheap and stays in
@@ -32,7 +35,7 @@ def _target() -> tvm.target.Target:
     sub-blocks, the quantizer being the same."""
     host = {"kind": "llvm", "mcpu": host_cpu()}
     if platform.machine().lower() in ("x86_64", "amd64"):
-        host["mattr"] = ["-fma"]
+        host["mattr"] = ["-fma", "-fma4"]
     return tvm.target.Target(host)
 
 
@@ -263,7 +266,8 @@ def _aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
 def _run(fn, sub: np.ndarray, cand: np.ndarray, out_shape: tuple[int, ...]):
     """Run a search over the rows of sub (n, m): (out (n, *out_shape) float32, quants (n, m))."""
     n, m = sub.shape
-    if sub.ctypes.data % _ALIGN or not sub.flags.c_contiguous or sub.dtype != np.float32:
+    if (sub.ctypes.data % _ALIGN or not sub.flags.c_contiguous or sub.dtype != np.float32
+            or not sub.flags.writeable):  # a read-only array (a GGUF memmap) does not export
         held, sub = sub, _aligned(sub.shape, np.float32)
         sub[...] = held
     out = _aligned((n, *out_shape), np.float32)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from paged_decode.runtime.errors import ConfigError, WeightsError
-from paged_decode.runtime.manifest import K_QUANT_MIXES
+from paged_decode.runtime.manifest import K_QUANT_FALLBACKS, K_QUANT_MIXES
 
 from . import config as config_mod
 from .config import ModelConfig
@@ -70,7 +70,8 @@ class ModelSource:
         log.info("loading %s weights of %s as %s", self.kind, self.config.name, weight_dtype)
         specs = param_specs(self.config, weight_dtype, weight_formats)
         if self.kind == "preset":
-            return _convert(_preset_params(self.config, "float32"), specs)
+            return _convert(_split_qkv(_preset_params(self.config, "float32"), self.config,
+                                       specs), specs)
         if self.kind == "hf":
             return _assemble(self.config, _hf_getter(self.path), specs)
         return _assemble(self.config, _gguf_getter(self.path, self.config), specs,
@@ -152,6 +153,19 @@ def _preset_params(cfg: ModelConfig, weight_dtype: str) -> dict[str, np.ndarray]
     return out
 
 
+def _split_qkv(params: dict[str, np.ndarray], cfg: ModelConfig, specs) -> dict[str, np.ndarray]:
+    """``params`` (fused ``wqkv`` / ``bqkv``) with the ``wqk`` / ``wv`` (``bqk`` / ``bv``) rows
+    that ``specs`` ask for, where a layer keeps V apart (``params.split_qkv``): the same values
+    either way."""
+    qk = cfg.q_size + cfg.kv_size
+    for spec in specs:
+        m = re.fullmatch(r"(layers\.\d+\.)([wb])(qk|v)", spec.name)
+        if m and spec.name not in params:
+            fused = params[f"{m[1]}{m[2]}qkv"]
+            params[spec.name] = fused[:qk] if m[3] == "qk" else fused[qk:]
+    return params
+
+
 # ---------------------------------------------------------------------------- HF / common
 
 def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -190,8 +204,13 @@ def _join(name: str, pieces: list[np.ndarray]) -> np.ndarray:
 
 
 def _stored(spec, value: np.ndarray) -> np.ndarray:
-    """A float32 parameter in its spec's format (quantized rows, float16, or as it is)."""
+    """A float32 parameter in its spec's format (quantized rows, float16, or as it is); a
+    matrix to quantize must be finite (a NaN or infinity would quantize to garbage)."""
     if spec.logical:
+        if FORMATS[spec.format].quantized and not np.isfinite(value).all():
+            raise WeightsError(f"{spec.name}: {int((~np.isfinite(value)).sum())} weights are "
+                               f"NaN or infinite; {spec.format} cannot store them: check the "
+                               "checkpoint, or keep float32 / float16 (--weight-dtype)")
         value = FORMATS[spec.format].quantize(value)
     return np.ascontiguousarray(value, dtype=spec.dtype)
 
@@ -583,10 +602,7 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
 # projection of the layers ``more_bits`` picks
 MIX_POLICIES = K_QUANT_MIXES
 WEIGHT_POLICIES = ("auto", *USER_FORMATS, *MIX_POLICIES)
-# a k-quant policy's format for a matrix whose rows are not whole 256-weight super-blocks
-# (SmolLM2's 576): the 32-weight format of at least its precision (llama.cpp falls back the
-# same way, to Q5_0 / Q5_1 / Q8_0, formats not run here)
-K_QUANT_FALLBACK = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
+K_QUANT_FALLBACK = K_QUANT_FALLBACKS
 
 
 def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, str]:
@@ -684,6 +700,11 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
                 chosen[name] = "float16"
             log.warning("%s: rows of %d weights are not whole %s blocks: stored as %s",
                         name, cols, fmt, chosen[name])
+    for name in [n for n in chosen if n.endswith(".wqk")]:  # a split the fallback undid
+        layer = name[:-len("wqk")]
+        if chosen[name] == chosen.get(layer + "wv"):
+            del chosen[layer + "wv"]
+            chosen[layer + "wqkv"] = chosen.pop(name)
     return _base_and_exceptions(chosen)
 
 

@@ -71,14 +71,18 @@ DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 INTERLEAVED_SUFFIX = "x8"
 # --weight-dtype's llama.cpp k-quant mixes and the k-quant each is made of (with Q6_K)
 K_QUANT_MIXES = {"q4_k_m": "q4_k", "q5_k_m": "q5_k"}
+# a k-quant policy's format for a matrix whose rows are not whole 256-weight super-blocks
+# (SmolLM2's 576): the 32-weight format of at least its precision (llama.cpp falls back to
+# Q5_0 / Q5_1 / Q8_0 there, the first two not run here)
+K_QUANT_FALLBACKS = {"q4_k": "q4_1", "q5_k": "q8_0", "q6_k": "q8_0"}
 
 
 def weight_policy(weight_dtype, weight_formats, model: str | None = None) -> str:
     """The ``--weight-dtype`` that chooses these formats again: their one format (interleaved
     or not; a quantized format's LM head, or tied embedding, in Q8_0 is that format's own
-    choice); one k-quant with Q6_K exceptions is llama.cpp's mix "q4_k_m" / "q5_k_m" when the
-    model (what ``--model`` took) is not a GGUF; else "auto" (a GGUF's own mix).  Damaged
-    values (from a file) give "auto"."""
+    choice); for a model that is not a GGUF (``model``, what ``--model`` took, not ending in
+    .gguf), a k-quant with the formats its rows fall back to, or llama.cpp's mix "q4_k_m" /
+    "q5_k_m"; else "auto" (a GGUF's own mix).  Damaged values (from a file) give "auto"."""
     try:
         formats = dict(weight_formats or {})
     except (TypeError, ValueError):
@@ -90,9 +94,19 @@ def weight_policy(weight_dtype, weight_formats, model: str | None = None) -> str
         names.add(weight_dtype.removesuffix(INTERLEAVED_SUFFIX))
     if len(names) == 1:
         return names.pop()
-    from_gguf = model is None or str(model).lower().endswith(".gguf")
-    mix = {frozenset((base, "q6_k")): policy for policy, base in K_QUANT_MIXES.items()}
-    return mix.get(frozenset(names), "auto") if not from_gguf else "auto"
+    if model is None or str(model).lower().endswith(".gguf"):
+        return "auto"
+    policies = {k: {k} for k in K_QUANT_FALLBACKS}
+    policies.update({mix: {base, "q6_k", "q5_k"} for mix, base in K_QUANT_MIXES.items()})
+    def present(fmt):  # the format, or what its rows fell back to
+        return fmt in names or K_QUANT_FALLBACKS[fmt] in names
+
+    for policy, made in policies.items():  # single k-quants first: a mix has Q6_K as well
+        allowed = made | {K_QUANT_FALLBACKS[f] for f in made}
+        if names <= allowed and present(K_QUANT_MIXES.get(policy, policy)) and (
+                policy in K_QUANT_FALLBACKS or present("q6_k")):
+            return policy
+    return "auto"
 
 
 DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
