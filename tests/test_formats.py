@@ -245,6 +245,19 @@ def test_k_quant_mixes_choose_llamacpps_formats(mix, base):
     assert sorted(v) == ["q5_k"] * (40 if base == "q4_k" else 0) + ["q6_k"] * 40
 
 
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quantizer_takes_read_only_aligned_input(fmt):
+    """A GGUF's float32 tensors arrive as read-only memmaps, some on a 64-byte boundary (which
+    the kernel would otherwise take without a copy): quantized as a writable copy is."""
+    w = _k_quant_rows(5, seed=6)
+    raw = np.empty(w.nbytes + 64, np.uint8)
+    shift = (-raw.ctypes.data) % 64
+    held = raw[shift:shift + w.nbytes].view(np.float32).reshape(w.shape)
+    held[...] = w
+    held.flags.writeable = False
+    np.testing.assert_array_equal(FORMATS[fmt].quantize(held), FORMATS[fmt].quantize(w))
+
+
 def test_a_preset_in_a_mix_keeps_v_apart_with_the_same_values():
     """A preset in q4_k_m: a layer whose V (rows apart) takes another format than Q / K reads
     its rows from the preset's one draw of Q / K / V; a layer where the fallback gives both
