@@ -23,10 +23,12 @@ import numpy as np
 import tvm
 from tvm.script import tirx as T
 
+from paged_decode.runtime.host_memory import HostArena, to_tvm
+
 from .targets import host_cpu
 
 LANES = 8  # sub-blocks per vector: AVX2's 8 float32 lanes (AVX-512 implies FMA in LLVM)
-_ALIGN = 64
+_ALIGN = 64  # the alignment TIR assumes of a tensor it takes over from numpy
 
 
 def _target() -> tvm.target.Target:
@@ -255,26 +257,19 @@ def _built(kind: str, nmax: int, param: int):
     return tvm.compile(func, target=_target())["search"]
 
 
-def _aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """An uninitialised array at a 64-byte boundary, as TVM takes host memory without a copy."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    shift = (-raw.ctypes.data) % _ALIGN
-    return raw[shift:shift + nbytes].view(dtype).reshape(shape)
-
-
 def _run(fn, sub: np.ndarray, cand: np.ndarray, out_shape: tuple[int, ...]):
     """Run a search over the rows of sub (n, m): (out (n, *out_shape) float32, quants (n, m))."""
     n, m = sub.shape
-    if (sub.ctypes.data % _ALIGN or not sub.flags.c_contiguous or sub.dtype != np.float32
-            or not sub.flags.writeable):  # a read-only array (a GGUF memmap) does not export
-        held, sub = sub, _aligned(sub.shape, np.float32)
+    copy = (sub.ctypes.data % _ALIGN or not sub.flags.c_contiguous or sub.dtype != np.float32
+            or not sub.flags.writeable)  # a read-only array (a GGUF memmap) does not export
+    arena = HostArena.for_arrays([((n, *out_shape), "float32"), ((n, m), "uint8")]
+                                 + ([(sub.shape, "float32")] if copy else []))
+    out, quants = arena.take((n, *out_shape), "float32"), arena.take((n, m), "uint8")
+    if copy:
+        held, sub = sub, arena.take(sub.shape, "float32")
         sub[...] = held
-    out = _aligned((n, *out_shape), np.float32)
-    quants = _aligned((n, m), np.uint8)
-    if n:
-        view = tvm.runtime.from_dlpack  # the numpy buffers themselves: no copy
-        fn(view(sub), tvm.runtime.tensor(cand), view(out), view(quants))
+    if n:  # the numpy buffers themselves: no copy
+        fn(to_tvm(sub), tvm.runtime.tensor(cand), to_tvm(out), to_tvm(quants))
     return out, quants
 
 

@@ -597,12 +597,10 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
             for name in matrix_shapes(source.config)}
 
 
-# llama.cpp's k-quant mixes (llama-quantize's Q4_K_M / Q5_K_M, without an importance matrix):
-# the k-quant everywhere but Q6_K for the LM head (or tied embedding) and for V and the down
-# projection of the layers ``more_bits`` picks
-MIX_POLICIES = K_QUANT_MIXES
-WEIGHT_POLICIES = ("auto", *USER_FORMATS, *MIX_POLICIES)
-K_QUANT_FALLBACK = K_QUANT_FALLBACKS
+# the k-quant mixes (``K_QUANT_MIXES``) are llama-quantize's Q4_K_M / Q5_K_M without an
+# importance matrix: the k-quant everywhere but Q6_K for the LM head (or tied embedding) and for
+# V and the down projection of the layers ``more_bits`` picks (``_mix_formats``)
+WEIGHT_POLICIES = ("auto", *USER_FORMATS, *K_QUANT_MIXES)
 
 
 def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, str]:
@@ -638,7 +636,7 @@ def more_bits(layer: int, n_layers: int) -> bool:
 
 
 def _mix_formats(cfg: ModelConfig, base: str, head: str) -> dict[str, str]:
-    """``{matrix: format}`` of a k-quant mix (``MIX_POLICIES``) before the row-length fallback;
+    """``{matrix: format}`` of a k-quant mix (``K_QUANT_MIXES``) before the row-length fallback;
     a layer whose V differs from Q / K keeps its rows apart (``params.split_qkv``).  As
     llama.cpp does for what it types a 70B model (80 layers, grouped-query attention), V
     outside the Q6_K layers takes Q5_K where the mix would give it Q4_K."""
@@ -666,8 +664,8 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     - "float32" / "float16": every matrix dequantized (or converted) to it.
     - a quantized format: every matrix quantized to it, except the LM head (the tied
       embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision; a matrix
-      whose rows are not whole blocks takes ``K_QUANT_FALLBACK`` (k-quants), else float16.
-    - "q4_k_m" / "q5_k_m": llama.cpp's mix of that name (``MIX_POLICIES``), tensor for tensor,
+      whose rows are not whole blocks takes ``K_QUANT_FALLBACKS`` (k-quants), else float16.
+    - "q4_k_m" / "q5_k_m": llama.cpp's mix of that name (``K_QUANT_MIXES``), tensor for tensor,
       with the same row-length fallback.
     - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
       parts differ in type, or of a type without kernels here, becomes float16 with a
@@ -677,7 +675,7 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     """
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
-    if (policy in QUANT_FORMATS or policy in MIX_POLICIES) and no_quantized:
+    if (policy in QUANT_FORMATS or policy in K_QUANT_MIXES) and no_quantized:
         raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; choose float16 (or "
                           "auto, which dequantizes a GGUF's quantized tensors) on this target")
     shapes = matrix_shapes(source.config)
@@ -686,8 +684,8 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
         chosen = _auto_formats(source, no_quantized)
-    elif policy in MIX_POLICIES:
-        chosen = _mix_formats(source.config, MIX_POLICIES[policy], head)
+    elif policy in K_QUANT_MIXES:
+        chosen = _mix_formats(source.config, K_QUANT_MIXES[policy], head)
     else:
         chosen = {name: policy for name in shapes}
         if head in chosen and policy != "q8_0":
@@ -695,7 +693,7 @@ def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None =
     for name, fmt in chosen.items():
         cols = shapes[name][1] if name in shapes else source.config.hidden_size  # wqk / wv
         if not FORMATS[fmt].fits(cols):
-            chosen[name] = K_QUANT_FALLBACK.get(fmt, "float16")
+            chosen[name] = K_QUANT_FALLBACKS.get(fmt, "float16")
             if not FORMATS[chosen[name]].fits(cols):
                 chosen[name] = "float16"
             log.warning("%s: rows of %d weights are not whole %s blocks: stored as %s",

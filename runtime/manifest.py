@@ -98,6 +98,7 @@ def weight_policy(weight_dtype, weight_formats, model: str | None = None) -> str
         return "auto"
     policies = {k: {k} for k in K_QUANT_FALLBACKS}
     policies.update({mix: {base, "q6_k", "q5_k"} for mix, base in K_QUANT_MIXES.items()})
+
     def present(fmt):  # the format, or what its rows fell back to
         return fmt in names or K_QUANT_FALLBACKS[fmt] in names
 

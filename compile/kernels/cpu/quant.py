@@ -57,7 +57,7 @@ PREFETCH_DEFAULT = 1024
 # A decode GEMV over Q4_K rows interleaved by 8 reads one stream 1184 bytes (a super-block of
 # 8 rows) per step, so 1024 ahead lands within the step being read: 6144 ahead (about five
 # steps) runs its TinyLlama-1.1B shapes 1.3-2.0x faster alone (paired, out of cache). The
-# fused SwiGLU GEMV, two streams (gate and up) in turn, keeps 1024: 0.93-0.97x at 3072-6144.
+# fused SwiGLU GEMV keeps 1024: at 3072-6144 it measured 0.83-1.12x across runs, no gain.
 PREFETCH_ONE_STREAM = {"q4_k": 6144}
 
 
