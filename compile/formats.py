@@ -669,6 +669,19 @@ def _sum8(t):
     return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))
 
 
+def _dpbusd_chunks(pairs):
+    """int32x8: sum over ``pairs`` of (u8 quants . 4 int8 x) per 32-bit lane, each pair one
+    ``vpdpbusd`` (AVX-512 VNNI / AVX-VNNI; x a 4-byte broadcast, which LLVM folds into the
+    instruction's memory operand), in two independent chains.  Exact: the same integer sums as
+    ``vpmaddubsw`` + ``vpmaddwd``, without their int16 step."""
+    chains = [T.broadcast(T.int32(0), 8), T.broadcast(T.int32(0), 8)]
+    for j, (u8, i8) in enumerate(pairs):
+        chains[j % 2] = T.call_llvm_pure_intrin(
+            "int32x8", "llvm.x86.avx512.vpdpbusd.256", chains[j % 2],
+            T.reinterpret("int8x32", u8), i8)
+    return chains[0] + chains[1]
+
+
 class _Grouped(WeightFormat):
     """A base format's blocks with ``ROW_GROUP`` rows interleaved (``base``): stored
     ``(N / 8, K / block * unit_bytes)``, each group's block ``k`` the eight rows' block ``k``
@@ -807,27 +820,32 @@ class _Rows8(_Grouped):
         byte = b * self.unit_bytes + 2 * self.fields * ROW_GROUP + 32 * j
         return (Wv[0] if dtype.startswith("u") else Wv[1]).vload([g, byte], dtype)
 
-    def group_dot(self, Wv, g, b, x32, x0):
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
         """int32x8: lane r = sum_j q_j(row r) * x_j over unit ``b``'s 32 weights (the stored
-        quants: Q4 unsigned 0..15), ``x32`` the int8 x as int32 from element ``x0``."""
+        quants: Q4 unsigned 0..15), ``x32`` the int8 x as int32 from element ``x0``;
+        ``vnni``: by ``vpdpbusd`` (the same sums)."""
         if self.base.name == "q8_0":
             # pair sums of int8 x int8 reach 2 * 128 * 127: each chunk to int32 on its own
-            parts = []
+            pairs = []
             for j in range(8):
                 q = self._chunk(Wv, g, b, j, "int8x32")
                 s = T.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", _x4(x32, x0 + j),
                                             q)
-                parts.append(_pairs_to_i32x8(_maddubs32(T.reinterpret("uint8x32", T.abs(q)), s)))
-            return _sum8(parts)
-        terms = []
+                pairs.append((T.reinterpret("uint8x32", T.abs(q)), s))
+            if vnni:
+                return _dpbusd_chunks(pairs)
+            return _sum8([_pairs_to_i32x8(_maddubs32(u, i)) for u, i in pairs])
+        pairs = []
         low = T.broadcast(T.uint8(15), 32)
         for j in range(4):
             p = self._chunk(Wv, g, b, j)
-            terms.append(_maddubs32(T.bitwise_and(p, low), _x4(x32, x0 + j)))
-            terms.append(_maddubs32(T.bitwise_and(T.shift_right(p, T.broadcast(T.uint8(4), 32)),
-                                                  low), _x4(x32, x0 + 4 + j)))
+            pairs.append((T.bitwise_and(p, low), _x4(x32, x0 + j)))
+            pairs.append((T.bitwise_and(T.shift_right(p, T.broadcast(T.uint8(4), 32)), low),
+                          _x4(x32, x0 + 4 + j)))
+        if vnni:
+            return _dpbusd_chunks(pairs)
         # eight int16 pair sums of at most 2 * 15 * 127 each: 30480 < 2^15
-        return _pairs_to_i32x8(_sum8(terms))
+        return _pairs_to_i32x8(_sum8([_maddubs32(u, i) for u, i in pairs]))
 
     def group_dot_wide(self, Wv, g, b, x64, x0):
         """``group_dot`` for int16 x (the LM head's; Q8_0 only, ``wide_x``): ``x64`` the x
@@ -917,14 +935,17 @@ class _KRows8(_Grouped):
 
     # TIR: unit b is sub-block s = b % 8 of super-block b // 8 (the kernels step whole
     # super-blocks, so s is a constant)
-    def group_dot(self, Wv, g, b, x32, x0):
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
         base, s = (b // 8) * self.unit_bytes, b % 8
         shift = T.broadcast(T.Cast("uint8", (s % 2) * 4), 32)
         low = T.broadcast(T.uint8(15), 32)
-        terms = [_maddubs32(T.bitwise_and(T.shift_right(Wv[0].vload(
+        pairs = [(T.bitwise_and(T.shift_right(Wv[0].vload(
             [g, base + self.QS + (s // 2) * 256 + 32 * j], "uint8x32"), shift), low),
             _x4(x32, x0 + j)) for j in range(8)]
-        return _pairs_to_i32x8(_sum8(terms))  # int16 pair sums as _Rows8's Q4: no saturation
+        if vnni:
+            return _dpbusd_chunks(pairs)
+        # int16 pair sums as _Rows8's Q4: no saturation
+        return _pairs_to_i32x8(_sum8([_maddubs32(u, i) for u, i in pairs]))
 
     def group_unit(self, Wv, g, b, dot, xd, xsum):
         base, s = (b // 8) * self.unit_bytes, b % 8

@@ -619,6 +619,59 @@ def test_int8_tile_linear(fmt, epilogue, wide_x):
                                     qmax=32767 if wide_x else 127)
 
 
+def _host_has_vnni() -> bool:
+    from paged_decode.compile.kernels.cpu import has_vnni
+    from paged_decode.compile.targets import resolve_target
+
+    return has_vnni(resolve_target(None).target)
+
+
+@pytest.mark.skipif(not _host_has_vnni(), reason="this CPU has no 256-bit vpdpbusd (AVX-512 "
+                    "VNNI with VL, or AVX-VNNI): the vnni kernels cannot run here")
+@pytest.mark.parametrize("fmt", X8_FORMATS)
+def test_vnni_kernels_over_interleaved_rows(fmt):
+    """The ``vpdpbusd`` dot products (taken where the target has VNNI) against numpy: the
+    SwiGLU decode GEMV and the int8 tile over 70 tokens; their integer sums are the AVX2
+    sequence's, so the GEMV's output is that kernel's bit for bit."""
+    K, I = _k(fmt, 96, 512), 2 * GATE_UP_ROWS + 8
+    rng = np.random.default_rng(11)
+    gate, gd = _weights(fmt, I, K, 12)
+    up, ud = _weights(fmt, I, K, 13)
+    W = _t(_gate_up(fmt, gate, up))
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    xq = _x_as_quantized(_rmsnorm(x, g, 1e-5)[0]).astype(np.float64)
+    a, b = gd @ xq, ud @ xq
+    acts = []
+    for vnni in (False, True):
+        acts.append(_t(np.zeros((1, I), np.float32)))
+        _compiled(quant.gemv_swiglu, I, K, fmt, 1e-5, quant.NTA, vnni)(_t(x), _t(g), W, acts[-1])
+    _close(acts[1].numpy()[0], a / (1 + np.exp(-a)) * b)
+    np.testing.assert_array_equal(acts[1].numpy(), acts[0].numpy())
+    packed, Wd = _weights(fmt, 2 * I, K, 14)
+    kernel = _compiled(quant.linear_int8, 2 * I, K, fmt, "none", False, True)
+    xs = rng.standard_normal((70, K)).astype(np.float32)
+    y = _t(np.zeros((70, 2 * I), np.float32))
+    kernel(_t(xs), _t(_stored(fmt, packed)), y)
+    _close(y.numpy(), np.stack([_x_as_quantized(r) for r in xs]).astype(np.float64) @ Wd.T)
+
+
+@X86_ONLY
+def test_quantized_kernels_take_vnni_by_the_targets_cpu():
+    """A target whose CPU has VNNI (Zen 4, Ice Lake) gets ``vpdpbusd`` in its interleaved
+    kernels; one without (Haswell, Zen 3) the AVX2 sequence, which every AVX2 CPU runs."""
+    import tvm
+
+    from paged_decode.compile.kernels.registry import kernels_for
+
+    for mcpu, want in (("znver4", True), ("icelake-server", True), ("haswell", False),
+                       ("znver3", False)):
+        target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+        func = kernels_for("llvm", target).gemv(64, 256, "q4_0x8", "none", None)
+        asm = tvm.compile(func, target=target).mod.inspect_source("asm")
+        assert ("vpdpbusd" in asm) == want, mcpu
+
+
 def test_prefill_of_long_rows_takes_the_int8_tile():
     """Prefill matmuls over rows of at least INT8_MIN_K weights are the int8 tiles (LM head:
     int16 x); shorter rows keep the float tile over decoded weights."""

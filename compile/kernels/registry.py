@@ -102,10 +102,11 @@ def kernels_for(target_kind: str, target=None) -> KernelSet:
     ``tvm.target.Target``) lets the CPU set fit its register tiles to the target's vector
     registers (its ``mcpu``, which the artifact key carries); None means AVX-512."""
     if target_kind == "llvm":
-        from .cpu import cpu_kernels, has_avx512
+        from .cpu import cpu_kernels, has_avx512, has_vnni
 
         mcpu = None if target is None else str(target.attrs.get("mcpu", "")) or None
-        return cpu_kernels(avx512=target is None or has_avx512(target), mcpu=mcpu)
+        return cpu_kernels(avx512=target is None or has_avx512(target), mcpu=mcpu,
+                           vnni=target is not None and has_vnni(target))
     from .gpu import gpu_kernels
 
     if target_kind in NO_INT64_BUFFERS:

@@ -42,6 +42,19 @@ def has_avx512(target) -> bool:
     return bool(llvm_cpu_has_features("avx512f", target))
 
 
+def has_vnni(target) -> bool:
+    """Whether an llvm target's CPU has 256-bit ``vpdpbusd`` (AVX-512 VNNI with VL, or AVX-VNNI),
+    which the int8 dot products over rows interleaved by 8 then take (docs/design.md)."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    try:
+        return bool(llvm_cpu_has_features("avx512vnni", target)
+                    and llvm_cpu_has_features("avx512vl", target)) or bool(
+            llvm_cpu_has_features("avxvnni", target))
+    except Exception:  # not x86
+        return False
+
+
 def has_avx2(target) -> bool:
     """Whether an llvm target's CPU has AVX2, which the quantized-weight kernels use."""
     from tvm.target.codegen import llvm_cpu_has_features
@@ -65,22 +78,26 @@ def _gemv_by_format(float_factory, quant_factory, l2_formats, quant_hint=True):
     return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats, quant_hint)
 
 
-def cpu_kernels(avx512: bool = True, mcpu: str | None = None) -> KernelSet:
+def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False) -> KernelSet:
     tiles = linear.TILES[avx512]
     l2_formats = L2_PREFETCH.get(mcpu, frozenset())
+
+    def q(factory):  # the quantized kernels take the target's int8 dot product
+        return functools.partial(factory, vnni=vnni)
+
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
-                     _gemv_by_format(gemv.gemv, quant.gemv, l2_formats),
-                     _gemv_by_format(gemv.gemv_swiglu, quant.gemv_swiglu, l2_formats),
-                     _by_format(linear.linear, quant.linear, tile=tiles["linear"]),
-                     _by_format(linear.linear_swiglu, quant.linear_swiglu,
+                     _gemv_by_format(gemv.gemv, q(quant.gemv), l2_formats),
+                     _gemv_by_format(gemv.gemv_swiglu, q(quant.gemv_swiglu), l2_formats),
+                     _by_format(linear.linear, q(quant.linear), tile=tiles["linear"]),
+                     _by_format(linear.linear_swiglu, q(quant.linear_swiglu),
                                 tile=tiles["swiglu"]),
                      rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     _gemv_by_format(batch.gemv_rows, quant.linear_rows, l2_formats, False),
-                     _gemv_by_format(batch.gemv_rows_swiglu, quant.linear_swiglu_rows,
+                     _gemv_by_format(batch.gemv_rows, q(quant.linear_rows), l2_formats, False),
+                     _gemv_by_format(batch.gemv_rows_swiglu, q(quant.linear_swiglu_rows),
                                      l2_formats, False),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
                      small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)

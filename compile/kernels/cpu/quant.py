@@ -35,6 +35,8 @@ bytes gathered from the chunks).
 
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from ...formats import FORMATS, QBLOCK, ROW_GROUP
@@ -190,9 +192,9 @@ def _row_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
     return fill
 
 
-def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
+def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int, vnni: bool = False):
     """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
-    dot = _group_dot(fmt, K, wide_x, locality, PREFETCH_ONE_STREAM.get(fmt.base.name))
+    dot = _group_dot(fmt, K, wide_x, locality, PREFETCH_ONE_STREAM.get(fmt.base.name), vnni)
     GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
 
     @T.macro
@@ -207,18 +209,20 @@ def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
 
 @cached
 def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | None = None,
-         wide_x: bool = False, locality: int = NTA):
+         wide_x: bool = False, locality: int = NTA, vnni: bool = False):
     """y = rmsnorm?(x) @ W.T (+ bias | + res), W quantized in ``wfmt``; ``wide_x``: x quantized
     to int16, not int8 (the LM head, whose logits pick the token: int8 activations there flip
     near ties; docs/design.md); of the layouts interleaved by 8, Q8_0's takes it.
-    ``locality``: the weights' software prefetch hint (``cpu.prefetch_locality``)."""
+    ``locality``: the weights' software prefetch hint (``cpu.prefetch_locality``); ``vnni``:
+    rows interleaved by 8 take their int8 dot products by ``vpdpbusd`` (``cpu.has_vnni``)."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, N)
     if fmt.grouped:
         _check_wide_x(fmt, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
     prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
-    fill = (_group_fill if fmt.grouped else _row_fill)(fmt, K, N, wide_x, locality)
+    fill = (_group_fill(fmt, K, N, wide_x, locality, vnni) if fmt.grouped
+            else _row_fill(fmt, K, N, wide_x, locality))
     xdt = "int16" if wide_x else "int8"
     run_units, _lanes = claimed_units(-(-N // RG), N * K >= PARALLEL_MIN_ELEMS)
 
@@ -278,11 +282,12 @@ def _row_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int):
     return fill
 
 
-def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int):
+def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int,
+                     vnni: bool = False):
     """``_row_tile_fill`` over rows interleaved by 8 (I a multiple of 8: a group never
     straddles a gate run and an up run): the tile's two groups of gate rows, then its two of up
     rows, in memory order as ``_row_tile_fill``'s."""
-    dot = _group_dot(fmt, K, False, locality)
+    dot = _group_dot(fmt, K, False, locality, vnni=vnni)
 
     def groups_of(row):  # the tile's groups of gate (or up) rows into out
         @T.macro
@@ -308,9 +313,11 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int):
 
 
 @cached
-def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA):
+def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA,
+                vnni: bool = False):
     """act = silu(xn @ Wg.T) * (xn @ Wu.T), xn = rmsnorm(x) * g, W (2I, K) quantized, gate and up
-    rows in alternating runs (``params.gate_up_row``); ``locality`` as for ``gemv``."""
+    rows in alternating runs (``params.gate_up_row``); ``locality``, ``vnni`` as for
+    ``gemv``."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, I)
     NB = K // QBLOCK
@@ -320,8 +327,8 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA)
     run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
     assert RG == GATE_UP_ROWS
     gate_row, up_row = gate_up_rows(I)
-    fill = (_group_tile_fill if fmt.grouped else _row_tile_fill)(fmt, K, I, gate_row, up_row,
-                                                                 locality)
+    fill = (_group_tile_fill(fmt, K, I, gate_row, up_row, locality, vnni) if fmt.grouped
+            else _row_tile_fill(fmt, K, I, gate_row, up_row, locality))
 
     @T.macro
     def unit(lane, u, W, xq, xd, xsum, act):
@@ -363,12 +370,12 @@ INT8_MIN_K = 2048
 
 @cached
 def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
-           wide_x: bool = False):
+           wide_x: bool = False, vnni: bool = False):
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``: the int8 tile where
     K >= ``INT8_MIN_K``, else the float tile over decoded weights (x float32, so ``wide_x``,
-    the LM head's int16 x for the int8 tile, changes nothing there)."""
+    the LM head's int16 x for the int8 tile, changes nothing there; nor ``vnni``)."""
     if K >= INT8_MIN_K:
-        return linear_int8(N, K, wfmt, epilogue, wide_x)
+        return linear_int8(N, K, wfmt, epilogue, wide_x, vnni)
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
@@ -402,11 +409,11 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
 
 
 @cached
-def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE):
+def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE, vnni: bool = False):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs (the int8 tile where K >= ``INT8_MIN_K``)."""
     if K >= INT8_MIN_K:
-        return linear_swiglu_int8(I, K, wfmt)
+        return linear_swiglu_int8(I, K, wfmt, vnni)
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
@@ -587,15 +594,17 @@ def _x_scratch(K: int, n, wide: bool):
 
 
 @cached
-def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False):
+def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False,
+                vnni: bool = False):
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``, x quantized once
     per call as the decode GEMV's (int8 per 32-block; ``wide_x``: int16, the LM head's): the
-    GEMV's integer dot products in register tiles of up to 8 tokens per weight row."""
+    GEMV's integer dot products in register tiles of up to 8 tokens per weight row (``vnni``
+    as for ``gemv``)."""
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     if fmt.grouped:
-        return linear_int8_x8(N, K, wfmt, epilogue, wide_x)
+        return linear_int8_x8(N, K, wfmt, epilogue, wide_x, vnni)
     quantize_rows = _rows_quantizer(K, wide_x)
 
     def finish(tt):
@@ -629,13 +638,13 @@ def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool 
 
 
 @cached
-def linear_swiglu_int8(I: int, K: int, wfmt: str):
+def linear_swiglu_int8(I: int, K: int, wfmt: str, vnni: bool = False):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs; x quantized to int8 as ``linear_int8``'s."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     if fmt.grouped:
-        return linear_swiglu_int8_x8(I, K, wfmt)
+        return linear_swiglu_int8_x8(I, K, wfmt, vnni)
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
     m0, co, rows = _task(I)
@@ -687,14 +696,15 @@ SMALL_ROWS = 4
 SMALL_ROWS_INTERLEAVED = 1 << 20
 
 
-def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: bool = False):
+def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: bool = False,
+                vnni: bool = False):
     """``linear_int8`` for a batch bucket of ``rows`` rows (its tiles take any count)."""
-    return linear_int8(N, K, wfmt, epilogue, wide_x)
+    return linear_int8(N, K, wfmt, epilogue, wide_x, vnni)
 
 
-def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int):
+def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int, vnni: bool = False):
     """``linear_swiglu_int8`` for a batch bucket of ``rows`` rows."""
-    return linear_swiglu_int8(I, K, wfmt)
+    return linear_swiglu_int8(I, K, wfmt, vnni)
 
 
 # ------------------------------------------------------------------ rows interleaved by 8
@@ -707,17 +717,19 @@ def _x_view(xq, count):
                          data=xq.data)
 
 
-def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int | None = None):
+def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int | None = None,
+               vnni: bool = False):
     """``dot(Wv, x4, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
     x quantized per 32-block to int8 (``wide``: int16; ``x4`` its ``_x_view`` from element
     ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four
     accumulators; a k-quant steps whole super-blocks (8 units), so each unit's sub-block is a
-    constant.  ``ahead``: the prefetch distance in bytes (default: the format's)."""
+    constant.  ``ahead``: the prefetch distance in bytes (default: the format's); ``vnni`` as for
+    ``gemv``."""
     NB = K // QBLOCK
     U = max(ACCS, fmt.block // QBLOCK)
     ahead = ahead or PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", ahead, locality)
-    group_dot = fmt.group_dot_wide if wide else fmt.group_dot
+    group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
 
     def unit(Wv, g, b, x4, xd, xsum, x0):
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8),
@@ -749,7 +761,7 @@ def _check_wide_x(fmt, wide_x: bool):
                          "int16 x is Q8_0's)")
 
 
-def _group_tile(fmt, K: int, tt: int, wide: bool = False):
+def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False):
     """``tile(Wv, g, x4, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
     ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
     vectors between the unrolled tokens' uses).  Below 4 tokens, units take ``ACCS / tt``
@@ -757,7 +769,7 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False):
     NB = K // QBLOCK
     chains = max(1, ACCS // tt)
     U = max(chains, fmt.block // QBLOCK)
-    group_dot = fmt.group_dot_wide if wide else fmt.group_dot
+    group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
 
     def unit(Wv, g, b, x4, xd, xsum, m):
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, m * (K // 4) + b * 8),
@@ -787,15 +799,16 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False):
     return tile
 
 
-def _group_token_tiles(fmt, K: int, finish, wide: bool = False):
+def _group_token_tiles(fmt, K: int, finish, wide: bool = False, vnni: bool = False):
     """``_run_tiles`` of group g (in place of row c) against ``rows`` tokens (``_group_tile``;
     x as ``_x_view``)."""
-    return _run_tiles({tt: (_group_tile(fmt, K, tt, wide), finish(tt))
+    return _run_tiles({tt: (_group_tile(fmt, K, tt, wide, vnni), finish(tt))
                        for tt in (TT, 4, 2, 1)})
 
 
 @cached
-def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False):
+def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False,
+                   vnni: bool = False):
     """``linear_int8`` over rows interleaved by 8: parallel tasks of (token block, group)."""
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
@@ -817,7 +830,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
         return store
 
-    run = _group_token_tiles(fmt, K, finish, wide_x)
+    run = _group_token_tiles(fmt, K, finish, wide_x, vnni)
     m0, co, rows = _task(G)
 
     @T.macro
@@ -834,7 +847,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
 
 @cached
-def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
+def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False):
     """``linear_swiglu_int8`` over rows interleaved by 8: tasks of (token block, one run of
     ``GATE_UP_ROWS`` act rows), its groups of gate rows, then its groups of up rows (W in memory
     order, as the SwiGLU GEMV's)."""
@@ -867,8 +880,8 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str):
 
         return store
 
-    run_gate = _group_token_tiles(fmt, K, finish_gate)
-    run_up = _group_token_tiles(fmt, K, finish_up)
+    run_gate = _group_token_tiles(fmt, K, finish_gate, vnni=vnni)
+    run_up = _group_token_tiles(fmt, K, finish_up, vnni=vnni)
 
     @T.macro
     def body(x, W, act, n):
