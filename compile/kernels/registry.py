@@ -100,7 +100,8 @@ def no_quantized_kernels(target_kind: str, target=None) -> str | None:
 def kernels_for(target_kind: str, target=None) -> KernelSet:
     """CPU kernels for llvm, thread-bound GPU kernels for every GPU target.  ``target`` (a
     ``tvm.target.Target``) lets the CPU set fit its register tiles to the target's vector
-    registers (its ``mcpu``, which the artifact key carries); None means AVX-512."""
+    registers and its int8 dot products to its VNNI (its ``mcpu``, which the artifact key
+    carries); None means AVX-512 without VNNI."""
     if target_kind == "llvm":
         from .cpu import cpu_kernels, has_avx512, has_vnni
 
