@@ -53,8 +53,8 @@ def compile_command(model: str, options: dict, root: Path | str) -> str:
     return f"paged-compile --model {shlex.quote(str(model))}{opts} --artifacts {root}"
 
 
-def _rebuild_hint(manifest: dict | None, path: Path) -> str:
-    """The paged-compile command that rebuilds ``path``.
+def _rebuild_command(manifest: dict | None, path: Path, host: bool = False) -> str:
+    """The paged-compile command that rebuilds ``path`` (``host``: for this machine's CPU).
 
     Options come from the manifest's key when it matches its digest, else from the manifest's
     top-level copies (one of the two was edited), else only the model name of the folder.  The
@@ -66,6 +66,8 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     name = m.get("model_arg") or m.get("name") or path.name.rsplit("-", 2)[0] or "<model>"
     target = source.get("target") or key.get("target") or m.get("target_kind")
     opts = {"target": cli_target(target)} if isinstance(target, str) else {}
+    if host:
+        opts["target"] = "llvm"
     opts.update((field, source[field]) for field in (
         "block_size", "max_blocks_cap", "cache_dtype") if field in source)
     if isinstance(source.get("weight_dtype"), str):
@@ -75,8 +77,58 @@ def _rebuild_hint(manifest: dict | None, path: Path) -> str:
     default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
     extra = (f" --batch-buckets {buckets_arg(buckets)}"
              if isinstance(buckets, list) and buckets != default else "")
-    return (f"rebuild it with `{compile_command(name, opts, path.parent)}{extra} --force` (or "
-            f"delete {path} and compile again)")
+    return f"{compile_command(name, opts, path.parent)}{extra}"
+
+
+def _rebuild_hint(manifest: dict | None, path: Path) -> str:
+    """How to rebuild ``path``: its paged-compile command with ``--force``."""
+    return (f"rebuild it with `{_rebuild_command(manifest, path)} --force` (or delete {path} "
+            "and compile again)")
+
+
+# x86 instruction sets the CPU kernels can be built with: LLVM's name -> /proc/cpuinfo's flag
+X86_FEATURES = {"avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c",
+                "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq",
+                "avx512vl": "avx512vl", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni",
+                "avx512bf16": "avx512_bf16", "avx512fp16": "avx512_fp16"}
+
+
+def host_cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags as the kernel reports them (``/proc/cpuinfo``); None where
+    there is no such file (not Linux): then nothing is checked."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^flags\s*:(.*)$", text, re.M)
+    return frozenset(match.group(1).split()) if match else None
+
+
+def missing_cpu_features(target: str, flags) -> list[str]:
+    """The x86 instruction sets (LLVM's names) that code built for ``target`` (a key's target
+    string with an ``mcpu``) may use and a CPU with ``flags`` lacks; [] when ``flags`` is None
+    or the target names no x86 CPU."""
+    mcpu = re.search(r'"mcpu":\s*"([^"]+)"', target or "")
+    if flags is None or not mcpu:
+        return []
+    try:
+        built = tvm.target.codegen.llvm_get_cpu_features(
+            tvm.target.Target({"kind": "llvm", "mcpu": mcpu.group(1)}))
+    except Exception:  # a CPU this LLVM does not know: nothing to compare
+        return []
+    return [f for f, flag in X86_FEATURES.items() if f in built and flag not in flags]
+
+
+def _check_host_cpu(parsed: Manifest, path: Path) -> None:
+    """Refuse an llvm artifact whose CPU's instructions this one lacks, before its library is
+    loaded: the first such instruction would kill the process (SIGILL), not raise."""
+    target = parsed.key.get("target")
+    missing = missing_cpu_features(target, host_cpu_flags()) if isinstance(target, str) else []
+    if missing:
+        raise ArtifactError(
+            f"{path}: built for {cli_target(target)}, whose instructions {', '.join(missing)} "
+            "this CPU lacks (running it would kill the process); compile it for this machine: "
+            f"`{_rebuild_command(parsed.to_dict(), path, host=True)}`")
 
 
 def _read_json(path: Path, what: str, hint: str, error: type = ArtifactError) -> dict:
@@ -187,6 +239,8 @@ def load_artifact(path: str | Path, device: tvm.runtime.Device | None = None) ->
     if sha256_file(lib_path) != parsed.library_sha256:
         raise ArtifactError(f"{lib_path}: sha256 differs from the manifest (truncated, "
                             f"corrupted or replaced); {hint}")
+    if parsed.target_kind == "llvm":
+        _check_host_cpu(parsed, path)
     set_threads()
     try:
         lib = tvm.runtime.load_module(str(lib_path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import shutil
 import threading
 from pathlib import Path
@@ -16,7 +17,8 @@ from paged_decode.compile.config import preset
 from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
-from paged_decode.runtime.artifact import load_artifact
+from paged_decode.runtime import artifact as artifact_module
+from paged_decode.runtime.artifact import load_artifact, missing_cpu_features
 from paged_decode.runtime.errors import ArtifactError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT, key_digest
 
@@ -167,6 +169,38 @@ def test_metadata_returns_the_manifest(build):
     assert set(on_disk) - set(embedded) == {"compile_seconds", "library_sha256", "library_bytes",
                                             "model_arg"}
     assert on_disk["model_arg"] == "tiny"
+
+
+def test_missing_cpu_features_are_what_the_target_cpu_has_and_this_one_lacks():
+    avx2_only = frozenset({"avx", "avx2", "fma", "f16c"})
+
+    def llvm(mcpu):
+        return json.dumps({"kind": "llvm", "mcpu": mcpu})
+
+    # Zen 4: AVX-512 F / BW / DQ / VL / VNNI / BF16, no AVX-VNNI or FP16
+    assert missing_cpu_features(llvm("znver4"), avx2_only) == [
+        "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vnni", "avx512bf16"]
+    assert missing_cpu_features(llvm("haswell"), avx2_only) == []
+    assert missing_cpu_features(llvm("znver4"), None) == []  # no /proc/cpuinfo: not checked
+    assert missing_cpu_features('{"kind":"cuda","arch":"sm_90"}', avx2_only) == []
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="the check compares x86 instruction sets")
+def test_an_artifact_for_a_cpu_with_more_instructions_is_refused_before_it_loads(
+        build, monkeypatch):
+    """Its first such instruction would kill the process (SIGILL): the load refuses it with
+    the command that compiles for this machine, and never loads the library."""
+    prepared = build("tiny", block_size=4, max_context=64)
+    monkeypatch.setattr(artifact_module, "host_cpu_flags", lambda: frozenset({"sse4_2"}))
+
+    def no_load(path):
+        raise AssertionError(f"{path} was loaded")
+
+    monkeypatch.setattr(artifact_module.tvm.runtime, "load_module", no_load)
+    with pytest.raises(ArtifactError, match=r"built for llvm:\S+, whose instructions avx\b.* "
+                       r"this CPU lacks.*`paged-compile --model tiny --target llvm "):
+        load_artifact(prepared.artifact_dir)
 
 
 def test_bad_cache_options_are_config_errors():
