@@ -20,10 +20,10 @@ s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen
 into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
 row-block layout allows.
 
-On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K take the same blocks
-with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``; ``_Rows8``,
-``_KRows8``): a lossless regrouping made when the pack is written, which the CPU kernels read
-8 rows per vector.
+On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K take the same
+blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``, ``q6_kx8``;
+``_Rows8``, ``_KRows8``, ``_Q6KRows8``): a lossless regrouping made when the pack is written,
+which the CPU kernels read 8 rows per vector.
 
 The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
 is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
@@ -978,6 +978,122 @@ class _KRows8(_Grouped):
                 + T.broadcast(self.offset(Wv, c, b), 16))
 
 
+class _Q6KRows8(_Grouped):
+    """Q6_K with 8 rows interleaved (``q6_kx8``).  A group's super-block (8 x 210 bytes, no
+    padding): d for rows 0..7 (16 bytes), the sixteen int8 sub-block scales, sub-block after
+    sub-block, 8 rows side by side (128), then the 128 bytes of low nibbles in 4-byte chunks
+    (chunk ``k`` holds bytes ``[4k, 4k + 4)`` of each row's ``ql``: 32 chunks), then the 64
+    bytes of high bit pairs likewise (``qh``: 16 chunks).  Unit ``s`` of a super-block (weights
+    ``32 s`` on; ``h, p = divmod(s, 4)``) takes nibbles ``(p // 2) * 4`` of ``ql`` chunks
+    ``(2 h + p % 2) * 8 + j`` and bits ``2 p`` of ``qh`` chunks ``8 h + j``, j = 0..7, as
+    ggml's own layout does by rows.  A 16-weight half's sum of (q - 32) x is taken as sum q x -
+    32 sum x (q, 0..63, the unsigned operand of ``vpdpbusd`` / ``vpmaddubsw``) and scaled by
+    its int8 sub-scale in int32."""
+
+    QL, QH = 144, 1168  # bytes of the nibbles and the bit pairs in a group's super-block
+
+    def __init__(self, base: WeightFormat):
+        super().__init__(base, base.block_bytes)
+
+    def group(self, packed):
+        n, nsb = packed.shape[0], packed.shape[1] // self.base.block_bytes
+        g = n // ROW_GROUP
+        b = np.ascontiguousarray(packed).reshape(g, ROW_GROUP, nsb, self.base.block_bytes)
+        d = b[..., 208:210].transpose(0, 2, 1, 3)
+        sc = b[..., 192:208].transpose(0, 2, 3, 1)
+        ql = b[..., 0:128].reshape(g, ROW_GROUP, nsb, 32, 4).transpose(0, 2, 3, 1, 4)
+        qh = b[..., 128:192].reshape(g, ROW_GROUP, nsb, 16, 4).transpose(0, 2, 3, 1, 4)
+        parts = [a.reshape(g, nsb, -1) for a in (d, sc, ql, qh)]
+        return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(g, -1))
+
+    def ungroup(self, grouped):
+        g, nsb = grouped.shape[0], grouped.shape[1] // self.unit_bytes
+        u = np.ascontiguousarray(grouped).reshape(g, nsb, self.unit_bytes)
+        d = u[..., 0:16].reshape(g, nsb, ROW_GROUP, 2).transpose(0, 2, 1, 3)
+        sc = u[..., 16:self.QL].reshape(g, nsb, 16, ROW_GROUP).transpose(0, 3, 1, 2)
+        ql = u[..., self.QL:self.QH].reshape(g, nsb, 32, ROW_GROUP, 4).transpose(0, 3, 1, 2, 4)
+        qh = u[..., self.QH:].reshape(g, nsb, 16, ROW_GROUP, 4).transpose(0, 3, 1, 2, 4)
+        rows = np.concatenate([ql.reshape(g, ROW_GROUP, nsb, 128),
+                               qh.reshape(g, ROW_GROUP, nsb, 64),
+                               sc.reshape(g, ROW_GROUP, nsb, 16),
+                               d.reshape(g, ROW_GROUP, nsb, 2)], axis=3)
+        return np.ascontiguousarray(rows.reshape(g * ROW_GROUP, nsb * self.base.block_bytes))
+
+    # TIR: unit b is unit s = b % 8 of super-block b // 8 (the kernels step whole super-blocks,
+    # so s, and with it every shift and chunk index below, is a constant)
+    def _where(self, b):
+        s = b % 8
+        return (b // 8) * self.unit_bytes, s // 4, s % 4
+
+    def _quants(self, load, b, j: int, lanes: int):
+        """uint8 x ``lanes``: quants 0..63 of unit b's chunk j (``load(byte)`` reads from a
+        chunk's start)."""
+        base, h, p = self._where(b)
+        nib = T.bitwise_and(T.shift_right(load(base + self.QL + 32 * ((2 * h + p % 2) * 8 + j)),
+                                          T.broadcast(T.Cast("uint8", (p // 2) * 4), lanes)),
+                            T.broadcast(T.uint8(15), lanes))
+        two = T.bitwise_and(T.shift_right(load(base + self.QH + 32 * (8 * h + j)),
+                                          T.broadcast(T.Cast("uint8", 2 * p), lanes)),
+                            T.broadcast(T.uint8(3), lanes))
+        return T.bitwise_or(nib, T.shift_left(two, T.broadcast(T.uint8(4), lanes)))
+
+    def _sub_scales8(self, Wv, g, b, half: int):
+        """int32x8: the 8 rows' int8 scales of unit b's weights ``[16 half, 16 half + 16)``."""
+        base = (b // 8) * self.unit_bytes
+        return T.Cast("int32x8", Wv[1].vload([g, base + 16 + 8 * (2 * (b % 8) + half)],
+                                             "int8x8"))
+
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
+        # sum (q - 32) x per half as sum q x - 32 sum x: q (0..63) is the unsigned operand as
+        # it is; 32 sum x comes from one product over the unit's 32 x, its lanes' 4-sums added
+        # within each half and spread to all lanes
+        q = [self._quants(lambda at: Wv[0].vload([g, at], "uint8x32"), b, j, 32)
+             for j in range(8)]
+        xs = T.reinterpret("int8x32", x32.vload([x0], "int32x8"))
+        if vnni:
+            four = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256",
+                                           T.broadcast(T.int32(0), 8), T.reinterpret(
+                                               "int8x32", T.broadcast(T.uint8(32), 32)), xs)
+        else:
+            four = _pairs_to_i32x8(_maddubs32(T.broadcast(T.uint8(32), 32), xs))
+        four = T.broadcast(T.int32(0), 8) - four
+        two = four + T.Shuffle([four], [1, 0, 3, 2, 5, 4, 7, 6])
+        half = two + T.Shuffle([two], [2, 3, 0, 1, 6, 7, 4, 5])  # lanes 0-3: -32 sum of half 0
+        neg = [T.Shuffle([half], [lane] * 8) for lane in (0, 4)]
+        if vnni:  # each half's chain starts from its -32 sum x
+            parts = []
+            for h in (0, 1):
+                acc = neg[h]
+                for j in range(4 * h, 4 * h + 4):
+                    acc = T.call_llvm_pure_intrin(
+                        "int32x8", "llvm.x86.avx512.vpdpbusd.256", acc,
+                        T.reinterpret("int8x32", q[j]), _x4(x32, x0 + j))
+                parts.append(acc)
+        else:  # int16 pair sums of q x: at most 2 * 2 * 63 * 127 = 32004 < 2^15 per two chunks
+            t = [_maddubs32(q[j], _x4(x32, x0 + j)) for j in range(8)]
+            parts = [_pairs_to_i32x8(t[h] + t[h + 1]) + _pairs_to_i32x8(t[h + 2] + t[h + 3])
+                     + neg[h // 4] for h in (0, 4)]
+        return (parts[0] * self._sub_scales8(Wv, g, b, 0)
+                + parts[1] * self._sub_scales8(Wv, g, b, 1))
+
+    def group_unit(self, Wv, g, b, dot, xd, xsum):
+        return self._field8(Wv, g, (b // 8) * self.unit_bytes, 0) * (
+            T.Cast("float32x8", dot) * T.broadcast(xd, 8))
+
+    def scale(self, Wv, c, b):
+        return T.Cast("float32", Wv[2][c // ROW_GROUP, (b // 8) * (self.unit_bytes // 2)
+                                       + c % ROW_GROUP])
+
+    def dequant16(self, Wv, c, b, half):
+        base = (b // 8) * self.unit_bytes
+        q = T.reinterpret("int8x16", self._quants(
+            lambda at: self._row_bytes16(Wv, c, at + 128 * half), b, 0, 16)) - T.broadcast(
+            T.int8(32), 16)
+        sub = T.Cast("float32", Wv[1][c // ROW_GROUP, base + 16 + 8 * (2 * (b % 8) + half)
+                                      + c % ROW_GROUP])
+        return T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b) * sub, 16)
+
+
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Float("float32", 4, "F32"),
     _Float("float16", 2, "F16"),
@@ -990,7 +1106,8 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 # the interleaved layouts: chosen per matrix for CPU targets (``interleaved``), never asked for
 INTERLEAVED = {f.base.name: f for f in (
-    *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")), _KRows8(FORMATS["q4_k"]))}
+    *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")), _KRows8(FORMATS["q4_k"]),
+    _Q6KRows8(FORMATS["q6_k"]))}
 USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
 FORMATS.update({f.name: f for f in INTERLEAVED.values()})
 FLOAT_FORMATS = ("float32", "float16")

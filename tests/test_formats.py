@@ -84,9 +84,16 @@ def _scale_min_k4(q, j: int) -> tuple[int, int]:
 
 def _layout_checks(f, packed, grouped, g, r, k):
     """Row ``g * 8 + r``'s block ``k`` against its place in ``grouped`` (the layouts of
-    ``formats._Rows8`` / ``_KRows8``): (what the group holds, what the row's block holds)."""
+    ``formats._Rows8`` / ``_KRows8`` / ``_Q6KRows8``): (what the group holds, what the row's
+    block holds)."""
     block = packed[g * 8 + r, k * f.base.block_bytes:(k + 1) * f.base.block_bytes]
     unit = grouped[g, k * f.unit_bytes:(k + 1) * f.unit_bytes]
+    if f.base.name == "q6_k":  # d, 16 int8 scales, ql in 32 chunks, qh in 16
+        return ([(unit[2 * r:2 * r + 2], block[208:210])]
+                + [(unit[16 + 8 * t + r], block[192 + t]) for t in range(16)]
+                + [(unit[144 + 32 * c + 4 * r:][:4], block[4 * c:][:4]) for c in range(32)]
+                + [(unit[1168 + 32 * c + 4 * r:][:4], block[128 + 4 * c:][:4])
+                   for c in range(16)])
     fields = getattr(f, "fields", 2)
     pairs = [(unit[16 * i + 2 * r:16 * i + 2 * r + 2], block[2 * i:2 * i + 2])
              for i in range(fields)]  # float16 d (m / dmin)
@@ -350,9 +357,10 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
         smollm_gguf):
     """On a CPU target SmolLM2's Q4_1 matrices and its Q8_0 embedding (the tied LM head, whose
     int16 x Q8_0's interleaved kernels take) take the interleaved layout; the pack holds the
-    file's blocks regrouped (ungrouped: the bytes the plain layout holds).  Q6_K keeps its
-    rows, and so do a w_gate_up whose act rows do not fill groups of 8, an untied embedding
-    and an LM head in a format whose interleaved kernels take int8 x only."""
+    file's blocks regrouped (ungrouped: the bytes the plain layout holds); Q6_K matrices too.
+    Rows are kept by a w_gate_up whose act rows do not fill groups of 8, an untied embedding
+    and an LM head in a format whose interleaved kernels take int8 x only (Q4_K_M's Q6_K
+    head)."""
     import dataclasses
 
     from paged_decode.compile.config import preset
@@ -371,7 +379,9 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
     cfg = preset("llama-160m")
     assert not cfg.tie_word_embeddings
     assert interleave_formats(cfg, "q6_k", (("lm_head", "q8_0"),)) == (
-        "q6_k", (("lm_head", "q8_0x8"),))
+        "q6_kx8", (("embed", "q6_k"), ("lm_head", "q8_0x8")))
+    assert interleave_formats(cfg, "q4_k", (("lm_head", "q6_k"),)) == (
+        "q4_kx8", (("embed", "q4_k"), ("lm_head", "q6_k")))
     odd = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 4)
     got = dict(interleave_formats(odd, "q4_0", (("lm_head", "q8_0"),))[1])
     assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0x8"

@@ -207,9 +207,11 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
             np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed, want.shape[1]), want,
                                           err_msg=name)
     artifact, weights = load(path, block_size=4, max_context=64)
-    # the CPU layout: Q4_K rows interleaved by 8 (the others keep rows)
+    # the CPU layout: Q4_K and Q6_K matrices interleaved by 8 (Q5_K, the embedding and the
+    # Q6_K head keep rows)
     base8, others8 = interleave_formats(cfg, base, others)
-    assert base8 == "q4_kx8" and dict(others8) == {**dict(others), "embed": "q4_k"}
+    assert base8 == "q4_kx8" and dict(others8) == {
+        **dict(others), "layers.0.wv": "q6_kx8", "layers.0.w_down": "q6_kx8", "embed": "q4_k"}
     assert artifact.manifest.weight_dtype == base8
     assert artifact.manifest.key["weight_formats"] == dict(others8)
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
@@ -250,6 +252,6 @@ def test_hf_checkpoint_in_the_q4_k_m_mix_tracks_float(load, llama_wide_ckpt):
                              max_context=64)
     assert artifact.manifest.weight_dtype == "q4_kx8"
     assert artifact.manifest.key["weight_formats"] == {
-        "embed": "q4_k", "lm_head": "q6_k", "layers.1.wv": "q6_k", "layers.1.w_down": "q6_k"}
+        "embed": "q4_k", "lm_head": "q6_k", "layers.1.wv": "q6_kx8", "layers.1.w_down": "q6_kx8"}
     assert "layers.1.wqk" in {p[0] for p in artifact.manifest.params}
     _assert_tracks_float(artifact, weights, llama_wide_ckpt, "q4_k_m")

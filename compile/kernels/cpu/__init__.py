@@ -11,16 +11,18 @@ from .simd import K_BLOCK_LAYOUT, L2, NTA
 
 # Weight formats whose decode GEMVs prefetch their rows into L2 (``prefetcht1``) instead of as
 # data used once (``prefetchnta``), by the target's CPU (its ``mcpu``): on Zen 4 float16 and
-# Q4_K streamed 1.12-1.25x faster so, other formats the same or slower (docs/design.md); the
-# other CPUs keep the non-temporal prefetch they were measured with.
-L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k"})}
+# Q4_K streamed 1.12-1.25x faster so, Q6_K interleaved 1.5x (its rows 0.7x: they keep NTA),
+# other formats the same or slower (docs/design.md); the other CPUs keep the non-temporal
+# prefetch they were measured with.
+L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k", "q6_kx8"})}
 
 
 def prefetch_locality(wfmt: str, l2_formats=frozenset()) -> int:
     """The software prefetch hint of a decode GEMV over weights in ``wfmt`` (a layout
-    interleaved by 8 goes by its base format)."""
+    interleaved by 8 named, or its base format)."""
     fmt = FORMATS[wfmt]
-    return L2 if (fmt.base.name if fmt.grouped else fmt.name) in l2_formats else NTA
+    named = wfmt in l2_formats or (fmt.grouped and fmt.base.name in l2_formats)
+    return L2 if named else NTA
 
 
 def _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs):
@@ -78,6 +80,11 @@ def _gemv_by_format(float_factory, quant_factory, l2_formats, quant_hint=True):
     return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats, quant_hint)
 
 
+def _with_hint(factory, l2_formats, vnni, rows, K, wfmt, *args, **kwargs):
+    return factory(rows, K, wfmt, *args, vnni=vnni, locality=prefetch_locality(wfmt, l2_formats),
+                   **kwargs)
+
+
 def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False) -> KernelSet:
     tiles = linear.TILES[avx512]
     l2_formats = L2_PREFETCH.get(mcpu, frozenset())
@@ -85,19 +92,23 @@ def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False
     def q(factory):  # the quantized kernels take the target's int8 dot product
         return functools.partial(factory, vnni=vnni)
 
+    def q_hint(factory):  # ... and the int8 tiles the decode GEMV's prefetch hint
+        return functools.partial(_with_hint, factory, l2_formats, vnni)
+
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
                      _gemv_by_format(gemv.gemv, q(quant.gemv), l2_formats),
                      _gemv_by_format(gemv.gemv_swiglu, q(quant.gemv_swiglu), l2_formats),
-                     _by_format(linear.linear, q(quant.linear), tile=tiles["linear"]),
-                     _by_format(linear.linear_swiglu, q(quant.linear_swiglu),
+                     _by_format(linear.linear, q_hint(quant.linear), tile=tiles["linear"]),
+                     _by_format(linear.linear_swiglu, q_hint(quant.linear_swiglu),
                                 tile=tiles["swiglu"]),
                      rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     _gemv_by_format(batch.gemv_rows, q(quant.linear_rows), l2_formats, False),
-                     _gemv_by_format(batch.gemv_rows_swiglu, q(quant.linear_swiglu_rows),
+                     _gemv_by_format(batch.gemv_rows, q_hint(quant.linear_rows), l2_formats,
+                                     False),
+                     _gemv_by_format(batch.gemv_rows_swiglu, q_hint(quant.linear_swiglu_rows),
                                      l2_formats, False),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
                      small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)

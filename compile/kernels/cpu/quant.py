@@ -19,13 +19,14 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 ``linear.py`` over its block of up to 64 tokens (activations stay float32), which measured
 faster on short rows (docs/design.md).
 
-Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8``: the CPU layout of Q8_0 / Q4_0 / Q4_1
-/ Q4_K matrices): the same integer arithmetic with the group's 8 rows in the 8 lanes of one
-vector, x broadcast 4 bytes at a time, so the unpacking, conversion and scaling of a unit serve
-8 rows and no lane sum remains.  The decode GEMVs fill their 16-row units by groups
-(``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants (``linear_int8_x8``,
-...) and serve every batch bucket over them (about 2x the float tile at 4-128 rows); the float
-tile reads them through row-wise pieces.  A Q8_0 LM head is interleaved too: its int16 x
+Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8`` / ``_Q6KRows8``: the CPU layout of
+Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices): the same integer arithmetic with the group's 8 rows
+in the 8 lanes of one vector, x broadcast 4 bytes at a time, so the unpacking, conversion and
+scaling of a unit serve 8 rows and no lane sum remains.  The decode GEMVs fill their 16-row
+units by groups (``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants
+(``linear_int8_x8``, ...) and serve every batch bucket over them (about 2x the float tile at
+4-128 rows), prefetching each group's row as the GEMVs do; the float tile reads them through
+row-wise pieces.  A Q8_0 LM head is interleaved too: its int16 x
 (``wide_x``) takes ``vpmaddwd`` of the widened quants, each row's pairs joined once per unit
 (``_Rows8.group_dot_wide``).
 
@@ -60,7 +61,9 @@ PREFETCH_DEFAULT = 1024
 # 8 rows) per step, so 1024 ahead lands within the step being read: 6144 ahead (about five
 # steps) runs its TinyLlama-1.1B shapes 1.3-2.0x faster alone (paired, out of cache). The
 # fused SwiGLU GEMV keeps 1024: at 3072-6144 it measured 0.83-1.12x across runs, no gain.
-PREFETCH_ONE_STREAM = {"q4_k": 6144}
+# Q6_K interleaved (1680 bytes a step): 16384 ahead, 1.16x over 8192 and 2x over 1024 on the
+# 1.1B shape's down projection (2048 x 5632, paired, out of cache, with the L2 hint).
+PREFETCH_ONE_STREAM = {"q4_k": 6144, "q6_k": 16384}
 
 
 def _storage(fmt, N: int, K: int) -> tuple:
@@ -370,12 +373,12 @@ INT8_MIN_K = 2048
 
 @cached
 def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
-           wide_x: bool = False, vnni: bool = False):
+           wide_x: bool = False, vnni: bool = False, locality: int = NTA):
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``: the int8 tile where
     K >= ``INT8_MIN_K``, else the float tile over decoded weights (x float32, so ``wide_x``,
-    the LM head's int16 x for the int8 tile, changes nothing there; nor ``vnni``)."""
+    the LM head's int16 x for the int8 tile, changes nothing there; nor ``vnni``, ``locality``)."""
     if K >= INT8_MIN_K:
-        return linear_int8(N, K, wfmt, epilogue, wide_x, vnni)
+        return linear_int8(N, K, wfmt, epilogue, wide_x, vnni, locality)
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
@@ -409,11 +412,12 @@ def linear(N: int, K: int, wfmt: str, epilogue: str = "none", tile=DEFAULT_TILE,
 
 
 @cached
-def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE, vnni: bool = False):
+def linear_swiglu(I: int, K: int, wfmt: str, tile=DEFAULT_TILE, vnni: bool = False,
+                  locality: int = NTA):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs (the int8 tile where K >= ``INT8_MIN_K``)."""
     if K >= INT8_MIN_K:
-        return linear_swiglu_int8(I, K, wfmt, vnni)
+        return linear_swiglu_int8(I, K, wfmt, vnni, locality)
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     TM, TN = tile[0], pick_tile(I, tuple(t for t in (4, 2, 1) if t <= tile[1]))
@@ -595,16 +599,16 @@ def _x_scratch(K: int, n, wide: bool):
 
 @cached
 def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False,
-                vnni: bool = False):
+                vnni: bool = False, locality: int = NTA):
     """y = x @ W.T (+ bias | + res) over n tokens, W quantized in ``wfmt``, x quantized once
     per call as the decode GEMV's (int8 per 32-block; ``wide_x``: int16, the LM head's): the
     GEMV's integer dot products in register tiles of up to 8 tokens per weight row (``vnni``
-    as for ``gemv``)."""
+    as for ``gemv``; ``locality``: rows interleaved by 8 prefetch with the GEMV's hint)."""
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     if fmt.grouped:
-        return linear_int8_x8(N, K, wfmt, epilogue, wide_x, vnni)
+        return linear_int8_x8(N, K, wfmt, epilogue, wide_x, vnni, locality)
     quantize_rows = _rows_quantizer(K, wide_x)
 
     def finish(tt):
@@ -638,13 +642,13 @@ def linear_int8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool 
 
 
 @cached
-def linear_swiglu_int8(I: int, K: int, wfmt: str, vnni: bool = False):
+def linear_swiglu_int8(I: int, K: int, wfmt: str, vnni: bool = False, locality: int = NTA):
     """act = silu(x @ Wg.T) * (x @ Wu.T) over n tokens, W (2I, K) quantized, gate and up rows
     in alternating runs; x quantized to int8 as ``linear_int8``'s."""
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K)
     if fmt.grouped:
-        return linear_swiglu_int8_x8(I, K, wfmt, vnni)
+        return linear_swiglu_int8_x8(I, K, wfmt, vnni, locality)
     gate_row, up_row = gate_up_rows(I)
     quantize_rows = _rows_quantizer(K, False)
     m0, co, rows = _task(I)
@@ -697,14 +701,15 @@ SMALL_ROWS_INTERLEAVED = 1 << 20
 
 
 def linear_rows(N: int, K: int, wfmt: str, epilogue: str, rows: int, wide_x: bool = False,
-                vnni: bool = False):
+                vnni: bool = False, locality: int = NTA):
     """``linear_int8`` for a batch bucket of ``rows`` rows (its tiles take any count)."""
-    return linear_int8(N, K, wfmt, epilogue, wide_x, vnni)
+    return linear_int8(N, K, wfmt, epilogue, wide_x, vnni, locality)
 
 
-def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int, vnni: bool = False):
+def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int, vnni: bool = False,
+                       locality: int = NTA):
     """``linear_swiglu_int8`` for a batch bucket of ``rows`` rows."""
-    return linear_swiglu_int8(I, K, wfmt, vnni)
+    return linear_swiglu_int8(I, K, wfmt, vnni, locality)
 
 
 # ------------------------------------------------------------------ rows interleaved by 8
@@ -761,15 +766,20 @@ def _check_wide_x(fmt, wide_x: bool):
                          "int16 x is Q8_0's)")
 
 
-def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False):
+def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
+                locality: int = NTA):
     """``tile(Wv, g, x4, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
     ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
     vectors between the unrolled tokens' uses).  Below 4 tokens, units take ``ACCS / tt``
-    accumulator chains in turn (``_tile_dot``); a k-quant steps whole super-blocks."""
+    accumulator chains in turn (``_tile_dot``); a k-quant steps whole super-blocks.  The
+    group's row is prefetched ahead as the decode GEMV's (its distance, ``locality`` its
+    hint): without it the tile read Q6_K / Q4_K weights at 8-20 GB/s (docs/design.md)."""
     NB = K // QBLOCK
     chains = max(1, ACCS // tt)
     U = max(chains, fmt.block // QBLOCK)
     group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
+    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", PREFETCH_ONE_STREAM.get(
+        fmt.base.name, PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT)), locality)
 
     def unit(Wv, g, b, x4, xd, xsum, m):
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, m * (K // 4) + b * 8),
@@ -781,7 +791,9 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False):
         for h in T.unroll(chains):
             for t in T.unroll(tt):
                 acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        flat = T.decl_buffer((Wv[0].shape[0] * Wv[0].shape[1],), "uint8", data=Wv[0].data)
         for bo in range(NB // U):
+            prefetch(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
             for a in T.unroll(U):
                 for t in T.unroll(tt):
                     acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + (
@@ -799,16 +811,17 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False):
     return tile
 
 
-def _group_token_tiles(fmt, K: int, finish, wide: bool = False, vnni: bool = False):
+def _group_token_tiles(fmt, K: int, finish, wide: bool = False, vnni: bool = False,
+                       locality: int = NTA):
     """``_run_tiles`` of group g (in place of row c) against ``rows`` tokens (``_group_tile``;
     x as ``_x_view``)."""
-    return _run_tiles({tt: (_group_tile(fmt, K, tt, wide, vnni), finish(tt))
+    return _run_tiles({tt: (_group_tile(fmt, K, tt, wide, vnni, locality), finish(tt))
                        for tt in (TT, 4, 2, 1)})
 
 
 @cached
 def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bool = False,
-                   vnni: bool = False):
+                   vnni: bool = False, locality: int = NTA):
     """``linear_int8`` over rows interleaved by 8: parallel tasks of (token block, group)."""
     assert epilogue in EPILOGUES
     fmt = FORMATS[wfmt]
@@ -830,7 +843,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
         return store
 
-    run = _group_token_tiles(fmt, K, finish, wide_x, vnni)
+    run = _group_token_tiles(fmt, K, finish, wide_x, vnni, locality)
     m0, co, rows = _task(G)
 
     @T.macro
@@ -847,7 +860,8 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
 
 @cached
-def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False):
+def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False,
+                          locality: int = NTA):
     """``linear_swiglu_int8`` over rows interleaved by 8: tasks of (token block, one run of
     ``GATE_UP_ROWS`` act rows), its groups of gate rows, then its groups of up rows (W in memory
     order, as the SwiGLU GEMV's)."""
@@ -880,8 +894,8 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False):
 
         return store
 
-    run_gate = _group_token_tiles(fmt, K, finish_gate, vnni=vnni)
-    run_up = _group_token_tiles(fmt, K, finish_up, vnni=vnni)
+    run_gate = _group_token_tiles(fmt, K, finish_gate, vnni=vnni, locality=locality)
+    run_up = _group_token_tiles(fmt, K, finish_up, vnni=vnni, locality=locality)
 
     @T.macro
     def body(x, W, act, n):
