@@ -425,11 +425,13 @@ def test_the_matmul_tile_follows_the_targets_vector_registers(mcpu, tile):
     assert kernels.linear_swiglu.keywords["tile"] == tile
 
 
-@pytest.mark.parametrize("mcpu,l2_formats", [("znver4", {"float16", "q4_k", "q4_kx8"}),
-                                             ("znver3", set()), ("sapphirerapids", set())])
+@pytest.mark.parametrize("mcpu,l2_formats", [
+    ("znver4", {"float16", "q4_k", "q4_kx8", "q6_kx8"}), ("znver3", set()),
+    ("sapphirerapids", set())])
 def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
-    """Zen 4 prefetches float16 and Q4_K rows into L2 (prefetcht1); every other format there,
-    and every format elsewhere, keeps the non-temporal prefetch; the generated code says so."""
+    """Zen 4 prefetches float16, Q4_K and Q6_K interleaved into L2 (prefetcht1); every other
+    format there (Q6_K rows too), and every format elsewhere, keeps the non-temporal prefetch;
+    the generated code says so."""
     from paged_decode.compile.formats import FORMATS
     from paged_decode.compile.kernels.cpu import prefetch_locality
     from paged_decode.compile.kernels.cpu.simd import L2, NTA
