@@ -669,16 +669,21 @@ def _sum8(t):
     return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))
 
 
+def _dpbusd(acc, u8, i8):
+    """int32x8: ``acc`` plus, per 32-bit lane, the 4 products of u8 ``u8`` and int8 ``i8``
+    (``vpdpbusd``, AVX-512 VNNI / AVX-VNNI, 256 bits)."""
+    return T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", acc,
+                                   T.reinterpret("int8x32", u8), i8)
+
+
 def _dpbusd_chunks(pairs):
     """int32x8: sum over ``pairs`` of (u8 quants . 4 int8 x) per 32-bit lane, each pair one
-    ``vpdpbusd`` (AVX-512 VNNI / AVX-VNNI; x a 4-byte broadcast, which LLVM folds into the
-    instruction's memory operand), in two independent chains.  Exact: the same integer sums as
-    ``vpmaddubsw`` + ``vpmaddwd``, without their int16 step."""
+    ``vpdpbusd`` (x a 4-byte broadcast, which LLVM folds into the instruction's memory
+    operand), in two independent chains.  Exact: the same integer sums as ``vpmaddubsw`` +
+    ``vpmaddwd``, without their int16 step."""
     chains = [T.broadcast(T.int32(0), 8), T.broadcast(T.int32(0), 8)]
     for j, (u8, i8) in enumerate(pairs):
-        chains[j % 2] = T.call_llvm_pure_intrin(
-            "int32x8", "llvm.x86.avx512.vpdpbusd.256", chains[j % 2],
-            T.reinterpret("int8x32", u8), i8)
+        chains[j % 2] = _dpbusd(chains[j % 2], u8, i8)
     return chains[0] + chains[1]
 
 
@@ -1037,11 +1042,14 @@ class _Q6KRows8(_Grouped):
                             T.broadcast(T.uint8(3), lanes))
         return T.bitwise_or(nib, T.shift_left(two, T.broadcast(T.uint8(4), lanes)))
 
+    def _sub_at(self, b, half: int):
+        """The byte of the 8 rows' int8 scales of unit b's weights ``[16 half, 16 half + 16)``
+        in their group's row."""
+        return (b // 8) * self.unit_bytes + 16 + 8 * (2 * (b % 8) + half)
+
     def _sub_scales8(self, Wv, g, b, half: int):
-        """int32x8: the 8 rows' int8 scales of unit b's weights ``[16 half, 16 half + 16)``."""
-        base = (b // 8) * self.unit_bytes
-        return T.Cast("int32x8", Wv[1].vload([g, base + 16 + 8 * (2 * (b % 8) + half)],
-                                             "int8x8"))
+        """int32x8: the 8 rows' scales of unit b's half ``half``."""
+        return T.Cast("int32x8", Wv[1].vload([g, self._sub_at(b, half)], "int8x8"))
 
     def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
         # sum (q - 32) x per half as sum q x - 32 sum x: q (0..63) is the unsigned operand as
@@ -1051,9 +1059,7 @@ class _Q6KRows8(_Grouped):
              for j in range(8)]
         xs = T.reinterpret("int8x32", x32.vload([x0], "int32x8"))
         if vnni:
-            four = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256",
-                                           T.broadcast(T.int32(0), 8), T.reinterpret(
-                                               "int8x32", T.broadcast(T.uint8(32), 32)), xs)
+            four = _dpbusd(T.broadcast(T.int32(0), 8), T.broadcast(T.uint8(32), 32), xs)
         else:
             four = _pairs_to_i32x8(_maddubs32(T.broadcast(T.uint8(32), 32), xs))
         four = T.broadcast(T.int32(0), 8) - four
@@ -1065,9 +1071,7 @@ class _Q6KRows8(_Grouped):
             for h in (0, 1):
                 acc = neg[h]
                 for j in range(4 * h, 4 * h + 4):
-                    acc = T.call_llvm_pure_intrin(
-                        "int32x8", "llvm.x86.avx512.vpdpbusd.256", acc,
-                        T.reinterpret("int8x32", q[j]), _x4(x32, x0 + j))
+                    acc = _dpbusd(acc, q[j], _x4(x32, x0 + j))
                 parts.append(acc)
         else:  # int16 pair sums of q x: at most 2 * 2 * 63 * 127 = 32004 < 2^15 per two chunks
             t = [_maddubs32(q[j], _x4(x32, x0 + j)) for j in range(8)]
@@ -1085,12 +1089,10 @@ class _Q6KRows8(_Grouped):
                                        + c % ROW_GROUP])
 
     def dequant16(self, Wv, c, b, half):
-        base = (b // 8) * self.unit_bytes
         q = T.reinterpret("int8x16", self._quants(
             lambda at: self._row_bytes16(Wv, c, at + 128 * half), b, 0, 16)) - T.broadcast(
             T.int8(32), 16)
-        sub = T.Cast("float32", Wv[1][c // ROW_GROUP, base + 16 + 8 * (2 * (b % 8) + half)
-                                      + c % ROW_GROUP])
+        sub = T.Cast("float32", Wv[1][c // ROW_GROUP, self._sub_at(b, half) + c % ROW_GROUP])
         return T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b) * sub, 16)
 
 

@@ -44,43 +44,40 @@ def has_avx512(target) -> bool:
     return bool(llvm_cpu_has_features("avx512f", target))
 
 
-def has_vnni(target) -> bool:
-    """Whether an llvm target's CPU has 256-bit ``vpdpbusd`` (AVX-512 VNNI with VL, or AVX-VNNI),
-    which the int8 dot products over rows interleaved by 8 then take (docs/design.md)."""
+def _cpu_has(target, feature: str) -> bool:
     from tvm.target.codegen import llvm_cpu_has_features
 
     try:
-        return bool(llvm_cpu_has_features("avx512vnni", target)
-                    and llvm_cpu_has_features("avx512vl", target)) or bool(
-            llvm_cpu_has_features("avxvnni", target))
-    except Exception:  # not x86
-        return False
-
-
-def has_avx2(target) -> bool:
-    """Whether an llvm target's CPU has AVX2, which the quantized-weight kernels use."""
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    try:
-        return bool(llvm_cpu_has_features("avx2", target))
+        return bool(llvm_cpu_has_features(feature, target))
     except Exception:  # a target whose LLVM backend knows no such feature (not x86)
         return False
 
 
-def _pick_gemv(float_factory, quant_factory, l2_formats, quant_hint, rows, K, wfmt, *args,
-               **kwargs):
-    if quant_hint or not FORMATS[wfmt].quantized:
+def has_vnni(target) -> bool:
+    """Whether an llvm target's CPU has 256-bit ``vpdpbusd`` (AVX-512 VNNI with VL, or AVX-VNNI),
+    which the int8 dot products over rows interleaved by 8 then take (docs/design.md)."""
+    return (_cpu_has(target, "avx512vnni") and _cpu_has(target, "avx512vl")) or _cpu_has(
+        target, "avxvnni")
+
+
+def has_avx2(target) -> bool:
+    """Whether an llvm target's CPU has AVX2, which the quantized-weight kernels use."""
+    return _cpu_has(target, "avx2")
+
+
+def _pick_gemv(float_factory, quant_factory, l2_formats, rows, K, wfmt, *args, **kwargs):
+    if not FORMATS[wfmt].quantized:
         kwargs["locality"] = prefetch_locality(wfmt, l2_formats)
     return _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs)
 
 
-def _gemv_by_format(float_factory, quant_factory, l2_formats, quant_hint=True):
-    """``_by_format`` for the weight-streaming kernels, which also take the target's prefetch
-    hint (the quantized factory too where ``quant_hint``)."""
-    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats, quant_hint)
+def _gemv_by_format(float_factory, quant_factory, l2_formats):
+    """``_by_format`` for the weight-streaming kernels, whose float factory also takes the
+    target's prefetch hint (the quantized one takes it from ``_for_target``)."""
+    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats)
 
 
-def _with_hint(factory, l2_formats, vnni, rows, K, wfmt, *args, **kwargs):
+def _for_target(factory, l2_formats, vnni, rows, K, wfmt, *args, **kwargs):
     return factory(rows, K, wfmt, *args, vnni=vnni, locality=prefetch_locality(wfmt, l2_formats),
                    **kwargs)
 
@@ -89,26 +86,22 @@ def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False
     tiles = linear.TILES[avx512]
     l2_formats = L2_PREFETCH.get(mcpu, frozenset())
 
-    def q(factory):  # the quantized kernels take the target's int8 dot product
-        return functools.partial(factory, vnni=vnni)
-
-    def q_hint(factory):  # ... and the int8 tiles the decode GEMV's prefetch hint
-        return functools.partial(_with_hint, factory, l2_formats, vnni)
+    def q(factory):  # a quantized kernel: the target's int8 dot product and prefetch hint
+        return functools.partial(_for_target, factory, l2_formats, vnni)
 
     return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
                      _gemv_by_format(gemv.gemv, q(quant.gemv), l2_formats),
                      _gemv_by_format(gemv.gemv_swiglu, q(quant.gemv_swiglu), l2_formats),
-                     _by_format(linear.linear, q_hint(quant.linear), tile=tiles["linear"]),
-                     _by_format(linear.linear_swiglu, q_hint(quant.linear_swiglu),
+                     _by_format(linear.linear, q(quant.linear), tile=tiles["linear"]),
+                     _by_format(linear.linear_swiglu, q(quant.linear_swiglu),
                                 tile=tiles["swiglu"]),
                      rope_kv.rope_kv_write_decode,
                      rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
                      attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
                      batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     _gemv_by_format(batch.gemv_rows, q_hint(quant.linear_rows), l2_formats,
-                                     False),
-                     _gemv_by_format(batch.gemv_rows_swiglu, q_hint(quant.linear_swiglu_rows),
-                                     l2_formats, False),
+                     _gemv_by_format(batch.gemv_rows, q(quant.linear_rows), l2_formats),
+                     _gemv_by_format(batch.gemv_rows_swiglu, q(quant.linear_swiglu_rows),
+                                     l2_formats),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
                      small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)

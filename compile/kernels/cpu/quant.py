@@ -66,6 +66,12 @@ PREFETCH_DEFAULT = 1024
 PREFETCH_ONE_STREAM = {"q4_k": 6144, "q6_k": 16384}
 
 
+def _one_stream_ahead(fmt) -> int:
+    """How far ahead a single-stream kernel over rows interleaved by 8 prefetches ``fmt``."""
+    name = fmt.base.name
+    return PREFETCH_ONE_STREAM.get(name, PREFETCH_BYTES.get(name, PREFETCH_DEFAULT))
+
+
 def _storage(fmt, N: int, K: int) -> tuple:
     return fmt.storage(N, K)[0]
 
@@ -197,7 +203,7 @@ def _row_fill(fmt, K: int, N: int, wide_x: bool, locality: int):
 
 def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int, vnni: bool = False):
     """``_row_fill`` over rows interleaved by 8: the unit's two groups (``_group_dot``)."""
-    dot = _group_dot(fmt, K, wide_x, locality, PREFETCH_ONE_STREAM.get(fmt.base.name), vnni)
+    dot = _group_dot(fmt, K, wide_x, locality, _one_stream_ahead(fmt), vnni)
     GU, G = RG // ROW_GROUP, N // ROW_GROUP  # groups per unit, in all
 
     @T.macro
@@ -778,8 +784,8 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
     chains = max(1, ACCS // tt)
     U = max(chains, fmt.block // QBLOCK)
     group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
-    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", PREFETCH_ONE_STREAM.get(
-        fmt.base.name, PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT)), locality)
+    prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", _one_stream_ahead(fmt),
+                                    locality)
 
     def unit(Wv, g, b, x4, xd, xsum, m):
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, m * (K // 4) + b * 8),
