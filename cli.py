@@ -325,7 +325,7 @@ def cache_cmd(artifacts, clear):
 @click.option("--out", default="bench-out", show_default=True, type=click.Path())
 @click.option("--dtype", "dtypes", multiple=True,
               type=click.Choice(["float32", "float16", "gguf", "q4_0", "q4_1", "q8_0",
-                                 "q4_k_m"]),
+                                 "q4_k_m", "q5_k_m"]),
               default=["float32", "float16"], show_default=True,
               help="weight and KV-cache dtype (repeatable); quantized: gguf (a GGUF model's "
               "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "

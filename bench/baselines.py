@@ -141,7 +141,8 @@ def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
 
 
 # paged-bench's quantized kinds: llama.cpp's ftype names (its own quantizer makes the file)
-LLAMA_FTYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+LLAMA_FTYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M",
+                "q5_k_m": "Q5_K_M"}
 
 
 def quantize_gguf(src: Path, out: Path, kind: str, threads: int) -> Path:

@@ -20,10 +20,10 @@ s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen
 into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
 row-block layout allows.
 
-On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K take the same
-blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``, ``q6_kx8``;
-``_Rows8``, ``_KRows8``, ``_Q6KRows8``): a lossless regrouping made when the pack is written,
-which the CPU kernels read 8 rows per vector.
+On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K take the
+same blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``, ``q5_kx8``,
+``q6_kx8``; ``_Rows8``, ``_KRows8``, ``_Q6KRows8``): a lossless regrouping made when the pack is
+written, which the CPU kernels read 8 rows per vector.
 
 The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
 is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
@@ -901,18 +901,31 @@ class _Rows8(_Grouped):
 
 
 class _KRows8(_Grouped):
-    """Q4_K with 8 rows interleaved (``q4_kx8``).  A group's super-block: d for rows 0..7 (16
-    bytes), dmin (16), the 6-bit sub-block scales unpacked to a byte each, sub-block after
-    sub-block (8 x 8 bytes), the mins likewise (64), then the nibbles in 4-byte chunks: chunk
-    ``(p, j)`` (p = 0..3, j = 0..7, 32 bytes) holds bytes ``[4j, 4j + 4)`` of each row's 32
-    bytes of sub-blocks 2p (low nibbles) and 2p + 1 (high), as ``_Rows8``'s chunks.  Unpacked
-    scales make a sub-block's eight scales one 8-byte load, for 1184 bytes per 8 super-blocks
-    instead of 1152 (4.625 bits per weight instead of 4.5)."""
-
-    QS = 160  # byte of the nibbles in a group's super-block
+    """Q4_K / Q5_K with 8 rows interleaved (``q4_kx8``, ``q5_kx8``).  A group's super-block: d
+    for rows 0..7 (16 bytes), dmin (16), the 6-bit sub-block scales unpacked to a byte each,
+    sub-block after sub-block (8 x 8 bytes), the mins likewise (64); Q5_K's 32 bytes of fifth
+    bits per row next, in 4-byte chunks (chunk ``j`` holds bytes ``[4j, 4j + 4)`` of each row's
+    ``qh``: 8 chunks, 256 bytes); then the nibbles in 4-byte chunks: chunk ``(p, j)`` (p = 0..3,
+    j = 0..7, 32 bytes) holds bytes ``[4j, 4j + 4)`` of each row's 32 bytes of sub-blocks 2p
+    (low nibbles) and 2p + 1 (high), as ``_Rows8``'s chunks.  Unit s's fifth bits for the
+    weights of nibble chunk ``(s // 2, j)`` are bit s of ``qh`` chunk j.  Unpacked scales make
+    a sub-block's eight scales one 8-byte load, for 4 bytes more per row's super-block (Q4_K
+    4.625 bits per weight instead of 4.5, Q5_K 5.625 instead of 5.5)."""
 
     def __init__(self, base: WeightFormat):
         super().__init__(base, base.block_bytes + 4)
+
+    @property
+    def fifth(self) -> bool:
+        return self.base.bits == 5
+
+    @property
+    def QH(self) -> int:  # byte of the fifth bits' chunks in a group's super-block (Q5_K)
+        return 160
+
+    @property
+    def QS(self) -> int:  # byte of the nibbles in a group's super-block
+        return 160 + (32 * ROW_GROUP if self.fifth else 0)
 
     def group(self, packed):
         n, nsb = packed.shape[0], packed.shape[1] // self.base.block_bytes
@@ -921,8 +934,12 @@ class _KRows8(_Grouped):
         d = b[..., 0:4].reshape(g, ROW_GROUP, nsb, 2, 2).transpose(0, 2, 3, 1, 4)
         sc, mn = (v.reshape(g, ROW_GROUP, nsb, 8).transpose(0, 2, 3, 1).astype(np.uint8)
                   for v in _k_scales_mins(b[..., 4:16].reshape(-1, 12)))
-        qs = b[..., 16:].reshape(g, ROW_GROUP, nsb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5)
-        parts = [a.reshape(g, nsb, -1) for a in (d, sc, mn, qs)]
+        at = self.base._qs
+        parts = [d, sc, mn]
+        if self.fifth:
+            parts.append(b[..., 16:48].reshape(g, ROW_GROUP, nsb, 8, 4).transpose(0, 2, 3, 1, 4))
+        parts.append(b[..., at:].reshape(g, ROW_GROUP, nsb, 4, 8, 4).transpose(0, 2, 3, 4, 1, 5))
+        parts = [a.reshape(g, nsb, -1) for a in parts]
         return np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(g, -1))
 
     def ungroup(self, grouped):
@@ -932,25 +949,42 @@ class _KRows8(_Grouped):
         sc, mn = (u[..., at:at + 64].reshape(g, nsb, 8, ROW_GROUP).transpose(0, 3, 1, 2)
                   for at in (32, 96))
         scales = _k_pack_scales(sc.reshape(-1, 8), mn.reshape(-1, 8))
+        rows = [d.reshape(g, ROW_GROUP, nsb, 4), scales.reshape(g, ROW_GROUP, nsb, 12)]
+        if self.fifth:
+            qh = u[..., self.QH:self.QS].reshape(g, nsb, 8, ROW_GROUP, 4).transpose(
+                0, 3, 1, 2, 4)
+            rows.append(qh.reshape(g, ROW_GROUP, nsb, 32))
         qs = u[..., self.QS:].reshape(g, nsb, 4, 8, ROW_GROUP, 4).transpose(0, 4, 1, 2, 3, 5)
-        rows = np.concatenate([d.reshape(g, ROW_GROUP, nsb, 4),
-                               scales.reshape(g, ROW_GROUP, nsb, 12),
-                               qs.reshape(g, ROW_GROUP, nsb, 128)], axis=3)
+        rows.append(qs.reshape(g, ROW_GROUP, nsb, 128))
+        rows = np.concatenate(rows, axis=3)
         return np.ascontiguousarray(rows.reshape(g * ROW_GROUP, nsb * self.base.block_bytes))
+
+    def _quants(self, load, s: int, j: int, lanes: int):
+        """uint8 x ``lanes``: sub-block s's quants in nibble chunk j (``load(at, j)`` reads
+        chunk j of the nibbles at ``at`` or of the fifth bits at ``QH``)."""
+        q = T.bitwise_and(T.shift_right(load(self.QS + (s // 2) * 256, j), T.broadcast(
+            T.Cast("uint8", (s % 2) * 4), lanes)), T.broadcast(T.uint8(15), lanes))
+        if not self.fifth:
+            return q
+        # bit s of the qh byte to bit 4 (s a constant in the GEMVs: LLVM folds the shifts)
+        h = T.bitwise_and(T.shift_right(load(self.QH, j), T.broadcast(T.Cast("uint8", s), lanes)),
+                          T.broadcast(T.uint8(1), lanes))
+        return T.bitwise_or(q, T.shift_left(h, T.broadcast(T.uint8(4), lanes)))
 
     # TIR: unit b is sub-block s = b % 8 of super-block b // 8 (the kernels step whole
     # super-blocks, so s is a constant)
     def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
         base, s = (b // 8) * self.unit_bytes, b % 8
-        shift = T.broadcast(T.Cast("uint8", (s % 2) * 4), 32)
-        low = T.broadcast(T.uint8(15), 32)
-        pairs = [(T.bitwise_and(T.shift_right(Wv[0].vload(
-            [g, base + self.QS + (s // 2) * 256 + 32 * j], "uint8x32"), shift), low),
-            _x4(x32, x0 + j)) for j in range(8)]
+        pairs = [(self._quants(lambda at, j: Wv[0].vload([g, base + at + 32 * j], "uint8x32"),
+                               s, j, 32), _x4(x32, x0 + j)) for j in range(8)]
         if vnni:
             return _dpbusd_chunks(pairs)
-        # int16 pair sums as _Rows8's Q4: no saturation
-        return _pairs_to_i32x8(_sum8([_maddubs32(u, i) for u, i in pairs]))
+        t = [_maddubs32(u, i) for u, i in pairs]
+        if not self.fifth:  # int16 pair sums as _Rows8's Q4: 8 * 2 * 15 * 127 < 2^15
+            return _pairs_to_i32x8(_sum8(t))
+        # 5-bit quants: 4 * 2 * 31 * 127 < 2^15, so four chunks at a time in int16
+        return (_pairs_to_i32x8((t[0] + t[1]) + (t[2] + t[3]))
+                + _pairs_to_i32x8((t[4] + t[5]) + (t[6] + t[7])))
 
     def group_unit(self, Wv, g, b, dot, xd, xsum):
         base, s = (b // 8) * self.unit_bytes, b % 8
@@ -975,10 +1009,8 @@ class _KRows8(_Grouped):
                                          + ROW_GROUP + c % ROW_GROUP]) * self._sub(Wv, c, b, 96))
 
     def dequant16(self, Wv, c, b, half):
-        s = b % 8
-        at = (b // 8) * self.unit_bytes + self.QS + (s // 2) * 256 + 128 * half
-        q = T.bitwise_and(T.shift_right(self._row_bytes16(Wv, c, at), T.broadcast(
-            T.Cast("uint8", (s % 2) * 4), 16)), T.broadcast(T.uint8(15), 16))
+        base = (b // 8) * self.unit_bytes + 128 * half
+        q = self._quants(lambda at, j: self._row_bytes16(Wv, c, base + at), b % 8, 0, 16)
         return (T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b), 16)
                 + T.broadcast(self.offset(Wv, c, b), 16))
 
@@ -1108,8 +1140,8 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 )}
 # the interleaved layouts: chosen per matrix for CPU targets (``interleaved``), never asked for
 INTERLEAVED = {f.base.name: f for f in (
-    *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")), _KRows8(FORMATS["q4_k"]),
-    _Q6KRows8(FORMATS["q6_k"]))}
+    *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")),
+    *(_KRows8(FORMATS[n]) for n in ("q4_k", "q5_k")), _Q6KRows8(FORMATS["q6_k"]))}
 USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
 FORMATS.update({f.name: f for f in INTERLEAVED.values()})
 FLOAT_FORMATS = ("float32", "float16")

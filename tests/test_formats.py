@@ -97,11 +97,14 @@ def _layout_checks(f, packed, grouped, g, r, k):
     fields = getattr(f, "fields", 2)
     pairs = [(unit[16 * i + 2 * r:16 * i + 2 * r + 2], block[2 * i:2 * i + 2])
              for i in range(fields)]  # float16 d (m / dmin)
-    if f.base.name == "q4_k":
+    if f.base.name in ("q4_k", "q5_k"):  # Q5_K: its 32 bytes of fifth bits in 8 chunks first
         pairs += [((unit[32 + 8 * s + r], unit[96 + 8 * s + r]), _scale_min_k4(block[4:16], s))
                   for s in range(8)]
-        pairs += [(unit[160 + 256 * p + 32 * j + 4 * r:][:4], block[16 + 32 * p + 4 * j:][:4])
-                  for p in range(4) for j in range(8)]
+        qs = 16 if f.base.name == "q4_k" else 48
+        pairs += [(unit[160 + 32 * j + 4 * r:][:4], block[16 + 4 * j:][:4])
+                  for j in range(8) if qs == 48]
+        pairs += [(unit[qs * 8 + 32 + 256 * p + 32 * j + 4 * r:][:4],
+                   block[qs + 32 * p + 4 * j:][:4]) for p in range(4) for j in range(8)]
     else:
         pairs += [(unit[16 * fields + 32 * j + 4 * r:][:4], block[2 * fields + 4 * j:][:4])
                   for j in range(f.quant_bytes // 4)]

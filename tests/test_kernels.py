@@ -426,11 +426,12 @@ def test_the_matmul_tile_follows_the_targets_vector_registers(mcpu, tile):
 
 
 @pytest.mark.parametrize("mcpu,l2_formats", [
-    ("znver4", {"float16", "q4_k", "q4_kx8", "q6_kx8"}), ("znver3", set()),
+    ("znver4", {"float16", "q4_k", "q4_kx8", "q5_kx8", "q6_kx8"}), ("znver3", set()),
     ("sapphirerapids", set())])
 def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
-    """Zen 4 prefetches float16, Q4_K and Q6_K interleaved into L2 (prefetcht1); every other
-    format there (Q6_K rows too), and every format elsewhere, keeps the non-temporal prefetch;
+    """Zen 4 prefetches float16, Q4_K and Q5_K / Q6_K interleaved into L2 (prefetcht1); every
+    other format there (Q5_K / Q6_K rows too), and every format elsewhere, keeps the
+    non-temporal prefetch;
     the generated code says so."""
     from paged_decode.compile.formats import FORMATS
     from paged_decode.compile.kernels.cpu import prefetch_locality

@@ -207,11 +207,11 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
             np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed, want.shape[1]), want,
                                           err_msg=name)
     artifact, weights = load(path, block_size=4, max_context=64)
-    # the CPU layout: Q4_K and Q6_K matrices interleaved by 8 (Q5_K, the embedding and the
-    # Q6_K head keep rows)
+    # the CPU layout: the matrices interleaved by 8 (the embedding and the Q6_K head keep rows)
     base8, others8 = interleave_formats(cfg, base, others)
     assert base8 == "q4_kx8" and dict(others8) == {
-        **dict(others), "layers.0.wv": "q6_kx8", "layers.0.w_down": "q6_kx8", "embed": "q4_k"}
+        **dict(others), "layers.0.wv": "q6_kx8", "layers.0.w_down": "q6_kx8",
+        "layers.0.w_gate_up": "q5_kx8", "layers.1.w_gate_up": "q5_kx8", "embed": "q4_k"}
     assert artifact.manifest.weight_dtype == base8
     assert artifact.manifest.key["weight_formats"] == dict(others8)
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)

@@ -11,10 +11,10 @@ from .simd import K_BLOCK_LAYOUT, L2, NTA
 
 # Weight formats whose decode GEMVs prefetch their rows into L2 (``prefetcht1``) instead of as
 # data used once (``prefetchnta``), by the target's CPU (its ``mcpu``): on Zen 4 float16 and
-# Q4_K streamed 1.12-1.25x faster so, Q6_K interleaved 1.5x (its rows 0.7x: they keep NTA),
-# other formats the same or slower (docs/design.md); the other CPUs keep the non-temporal
-# prefetch they were measured with.
-L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k", "q6_kx8"})}
+# Q4_K streamed 1.12-1.25x faster so, Q5_K / Q6_K interleaved 1.2-1.5x (Q6_K rows 0.7x: rows
+# keep NTA), other formats the same or slower (docs/design.md); the other CPUs keep the
+# non-temporal prefetch they were measured with.
+L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k", "q5_kx8", "q6_kx8"})}
 
 
 def prefetch_locality(wfmt: str, l2_formats=frozenset()) -> int:

@@ -20,9 +20,9 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 faster on short rows (docs/design.md).
 
 Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8`` / ``_Q6KRows8``: the CPU layout of
-Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K matrices): the same integer arithmetic with the group's 8 rows
-in the 8 lanes of one vector, x broadcast 4 bytes at a time, so the unpacking, conversion and
-scaling of a unit serve 8 rows and no lane sum remains.  The decode GEMVs fill their 16-row
+Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices): the same integer arithmetic with the group's 8
+rows in the 8 lanes of one vector, x broadcast 4 bytes at a time, so the unpacking, conversion
+and scaling of a unit serve 8 rows and no lane sum remains.  The decode GEMVs fill their 16-row
 units by groups (``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants
 (``linear_int8_x8``, ...) and serve every batch bucket over them (about 2x the float tile at
 4-128 rows), prefetching each group's row as the GEMVs do; the float tile reads them through
@@ -62,8 +62,10 @@ PREFETCH_DEFAULT = 1024
 # steps) runs its TinyLlama-1.1B shapes 1.3-2.0x faster alone (paired, out of cache). The
 # fused SwiGLU GEMV keeps 1024: at 3072-6144 it measured 0.83-1.12x across runs, no gain.
 # Q6_K interleaved (1680 bytes a step): 16384 ahead, 1.16x over 8192 and 2x over 1024 on the
-# 1.1B shape's down projection (2048 x 5632, paired, out of cache, with the L2 hint).
-PREFETCH_ONE_STREAM = {"q4_k": 6144, "q6_k": 16384}
+# 1.1B shape's down projection (2048 x 5632, paired, out of cache, with the L2 hint); Q5_K
+# interleaved (1440 bytes) likewise: 16384 ahead with the L2 hint 1.42x over 1024 ahead without
+# it, 1.05x over 6144 with it.
+PREFETCH_ONE_STREAM = {"q4_k": 6144, "q5_k": 16384, "q6_k": 16384}
 
 
 def _one_stream_ahead(fmt) -> int:
