@@ -95,27 +95,40 @@ def _row_step(fmt, K: int) -> tuple[int, int, int]:
     return RB, U, -(-U * QBLOCK * RB // K)
 
 
+def _add(a, b):
+    return a + b
+
+
+def _halves(v, lanes: int, op):
+    """``op`` over a ``lanes``-lane vector's two halves, down to one lane (a tree of shuffles,
+    as LLVM's own reductions are)."""
+    while lanes > 1:
+        lanes //= 2
+        v = op(T.Shuffle([v], list(range(lanes))), T.Shuffle([v], list(range(lanes, 2 * lanes))))
+    return v
+
+
 def _row_quantizer(K: int, wide: bool = False):
     """``quantize(xs, m, xq, xd, xsum)``: row m of xs (n, K) float32 quantized per 32-block to
     ``xq[m * K:]`` int8 (``wide``: int16), ``xd[m * NB:]`` the blocks' dx = max|x| / 127
-    (32767), ``xsum[m * NB:]`` ``dx * sum(xq)`` over each block."""
+    (32767), ``xsum[m * NB:]`` ``dx * sum(xq)`` over each block.  Each block is one 32-lane
+    vector, its max and its quants' sum reduced by shuffles (the sum in int32: exact, as a float
+    sum of these integers is).  The decode GEMVs quantize x on one core before sharing out the
+    rows, so this is serial time of every call (docs/design.md)."""
     NB = K // QBLOCK
     QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
 
     @T.macro
     def quantize(xs, m, xq, xd, xsum):
-        st = T.decl_buffer((3,), "float32")  # max |x|, 1 / dx, sum of xq
+        st = T.decl_buffer((2,), "float32")  # max |x|, 1 / dx
         for b in range(NB):
-            st[0] = T.float32(0)
-            for j in range(QBLOCK):
-                st[0] = T.max(st[0], T.fabs(xs[m, b * QBLOCK + j]))
+            st[0] = _halves(T.fabs(xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)]), QBLOCK, T.max)
             xd[m * NB + b] = st[0] / T.float32(QMAX)
             st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0], T.float32(0))
-            st[2] = T.float32(0)
-            for j in range(QBLOCK):
-                xq[m * K + b * QBLOCK + j] = T.Cast(QT, T.nearbyint(xs[m, b * QBLOCK + j] * st[1]))
-                st[2] = st[2] + T.Cast("float32", xq[m * K + b * QBLOCK + j])
-            xsum[m * NB + b] = st[2] * xd[m * NB + b]
+            q = T.Cast(f"int32x{QBLOCK}", T.nearbyint(
+                xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)] * T.broadcast(st[1], QBLOCK)))
+            xq[T.ramp(m * K + b * QBLOCK, 1, QBLOCK)] = T.Cast(f"{QT}x{QBLOCK}", q)
+            xsum[m * NB + b] = T.Cast("float32", _halves(q, QBLOCK, _add)) * xd[m * NB + b]
 
     return quantize
 
