@@ -108,27 +108,47 @@ def _halves(v, lanes: int, op):
     return v
 
 
-def _row_quantizer(K: int, wide: bool = False):
+def _plain_at(K: int):
+    """(element of token m's block b in the quantized x, index of its dx / sum): rows one after
+    another, the decode GEMVs' layout."""
+    NB = K // QBLOCK
+    return (lambda m, b: m * K + b * QBLOCK), (lambda m, b: m * NB + b)
+
+
+def _tiled_at(K: int):
+    """``_plain_at`` for the int8 tiles: the tokens in blocks of ``TT``, each block unit after
+    unit with its ``TT`` tokens' 32 quants side by side (and their dx, sums likewise), so a tile
+    of ``TT`` tokens reads x front to back as one stream.  Rows one after another put each
+    token's 32 bytes of a unit K bytes apart: ``TT`` streams, which left the tile waiting on x
+    (2.5x slower than with every token's x the same row)."""
+    NB = K // QBLOCK
+    return ((lambda m, b: ((m // TT) * NB + b) * (TT * QBLOCK) + (m % TT) * QBLOCK),
+            (lambda m, b: ((m // TT) * NB + b) * TT + m % TT))
+
+
+def _row_quantizer(K: int, wide: bool = False, at=None):
     """``quantize(xs, m, xq, xd, xsum)``: row m of xs (n, K) float32 quantized per 32-block to
-    ``xq[m * K:]`` int8 (``wide``: int16), ``xd[m * NB:]`` the blocks' dx = max|x| / 127
-    (32767), ``xsum[m * NB:]`` ``dx * sum(xq)`` over each block.  Each block is one 32-lane
+    int8 (``wide``: int16) in ``xq``, the blocks' dx = max|x| / 127 (32767) in ``xd``, ``dx *
+    sum(xq)`` over each block in ``xsum``, at the places ``at`` (``_plain_at`` by default)
+    gives.  Each block is one 32-lane
     vector, its max and its quants' sum reduced by shuffles (the sum in int32: exact, as a float
     sum of these integers is).  The decode GEMVs quantize x on one core before sharing out the
     rows, so this is serial time of every call (docs/design.md)."""
     NB = K // QBLOCK
     QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
+    q_at, s_at = at or _plain_at(K)
 
     @T.macro
     def quantize(xs, m, xq, xd, xsum):
         st = T.decl_buffer((2,), "float32")  # max |x|, 1 / dx
         for b in range(NB):
             st[0] = _halves(T.fabs(xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)]), QBLOCK, T.max)
-            xd[m * NB + b] = st[0] / T.float32(QMAX)
+            xd[s_at(m, b)] = st[0] / T.float32(QMAX)
             st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(QMAX) / st[0], T.float32(0))
             q = T.Cast(f"int32x{QBLOCK}", T.nearbyint(
                 xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)] * T.broadcast(st[1], QBLOCK)))
-            xq[T.ramp(m * K + b * QBLOCK, 1, QBLOCK)] = T.Cast(f"{QT}x{QBLOCK}", q)
-            xsum[m * NB + b] = T.Cast("float32", _halves(q, QBLOCK, _add)) * xd[m * NB + b]
+            xq[T.ramp(q_at(m, b), 1, QBLOCK)] = T.Cast(f"{QT}x{QBLOCK}", q)
+            xsum[s_at(m, b)] = T.Cast("float32", _halves(q, QBLOCK, _add)) * xd[s_at(m, b)]
 
     return quantize
 
@@ -510,8 +530,9 @@ TT = 8
 
 def _rows_quantizer(K: int, wide: bool):
     """``quantize_rows(x, xq, xd, xsum, n)``: every row of x (n, K) quantized as the decode
-    GEMV quantizes its vector (``_row_quantizer``), rows in parallel."""
-    quantize = _row_quantizer(K, wide)
+    GEMV quantizes its vector (``_row_quantizer``), rows in parallel, in the tiles' layout
+    (``_tiled_at``; ``_x_scratch`` holds it)."""
+    quantize = _row_quantizer(K, wide, _tiled_at(K))
 
     @T.macro
     def quantize_rows(x, xq, xd, xsum, n):
@@ -532,6 +553,7 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
     _RB, U, _STEP = _row_step(fmt, K)
     chains = max(1, ACCS // tt)
     unit_dot = fmt.wide_dot if wide else fmt.int_dot
+    q_at, s_at = _tiled_at(K)
     # Q4_K / Q5_K: the super-block's scales and offsets decoded as vectors once per step
     vector_scales = hasattr(fmt, "sub_scales8")
 
@@ -545,11 +567,11 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
     def unit(Wv, c, b, a, sm, xq, xd, xsum, m0, acc, macc):
         for t in T.unroll(tt):
             acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + T.Cast(
-                "float32x8", unit_dot(Wv, c, b, xq, (m0 + t) * K + b * QBLOCK)
-            ) * T.broadcast(scale(Wv, c, b, a, sm) * xd[(m0 + t) * NB + b], 8)
+                "float32x8", unit_dot(Wv, c, b, xq, q_at(m0 + t, b))
+            ) * T.broadcast(scale(Wv, c, b, a, sm) * xd[s_at(m0 + t, b)], 8)
             if fmt.has_offset:
                 macc[a % chains, t] = macc[a % chains, t] + offset(Wv, c, b, a, sm) * xsum[
-                    (m0 + t) * NB + b]
+                    s_at(m0 + t, b)]
 
     @T.macro
     def tile(Wv, c, xq, xd, xsum, m0, Y):
@@ -611,11 +633,12 @@ def _token_tiles(fmt, K: int, wide: bool, finish):
 
 
 def _x_scratch(K: int, n, wide: bool):
-    """Scratch for x quantized (``_rows_quantizer``): one workspace per call."""
-    NB = K // QBLOCK
-    return (T.decl_buffer((n * K,), "int16" if wide else "int8", scope="local"),
-            T.decl_buffer((n * NB,), "float32", scope="local"),
-            T.decl_buffer((n * NB,), "float32", scope="local"))
+    """Scratch for x quantized (``_rows_quantizer``; n rounded up to whole ``TT`` blocks): one
+    workspace per call."""
+    NB, blocks = K // QBLOCK, (n + TT - 1) // TT * TT
+    return (T.decl_buffer((blocks * K,), "int16" if wide else "int8", scope="local"),
+            T.decl_buffer((blocks * NB,), "float32", scope="local"),
+            T.decl_buffer((blocks * NB,), "float32", scope="local"))
 
 
 @cached
@@ -801,10 +824,11 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
     group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", _one_stream_ahead(fmt),
                                     locality)
+    q_at, s_at = _tiled_at(K)
 
     def unit(Wv, g, b, x4, xd, xsum, m):
-        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, m * (K // 4) + b * 8),
-                              xd[m * NB + b], xsum[m * NB + b])
+        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, q_at(m, b) // 4),
+                              xd[s_at(m, b)], xsum[s_at(m, b)])
 
     @T.macro
     def tile(Wv, g, x4, xd, xsum, m0, Y):
@@ -873,7 +897,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
         quantize_rows(x, xq, xd, xsum, n)
         for task in T.parallel((n + MB - 1) // MB * G):
             Y = T.decl_buffer((TT * 8,), "float32")
-            run((W, as_int8(W), as_f16(W)), co(task), _x_view(xq, n * K), xd, xsum, m0(task),
+            run((W, as_int8(W), as_f16(W)), co(task), _x_view(xq, xq.shape[0]), xd, xsum, m0(task),
                 rows(task, n), Y, y, bias, res, 0)
 
     func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
@@ -929,12 +953,12 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False,
             for h in range(GR):
                 if group(task, h) * ROW_GROUP < I:
                     run_gate(Wv, gate_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
-                             _x_view(xq, n * K), xd, xsum, m0(task), rows(task, n), Y, G,
+                             _x_view(xq, xq.shape[0]), xd, xsum, m0(task), rows(task, n), Y, G,
                              m0(task) - h * MB, act, group(task, h))
             for h in range(GR):
                 if group(task, h) * ROW_GROUP < I:
                     run_up(Wv, up_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
-                           _x_view(xq, n * K), xd, xsum, m0(task), rows(task, n), Y, G,
+                           _x_view(xq, xq.shape[0]), xd, xsum, m0(task), rows(task, n), Y, G,
                            m0(task) - h * MB, act, group(task, h))
 
     func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
