@@ -57,15 +57,14 @@ ACCS = 4  # independent accumulators per row (blocks in flight)
 # at 12.5, none at 12.5; 2048-wide rows 5 % faster at 512 than at either)
 PREFETCH_BYTES = {"q8_0": 512}
 PREFETCH_DEFAULT = 1024
-# A decode GEMV over Q4_K rows interleaved by 8 reads one stream 1184 bytes (a super-block of
-# 8 rows) per step, so 1024 ahead lands within the step being read: 6144 ahead (about five
-# steps) runs its TinyLlama-1.1B shapes 1.3-2.0x faster alone (paired, out of cache). The
-# fused SwiGLU GEMV keeps 1024: at 3072-6144 it measured 0.83-1.12x across runs, no gain.
-# Q6_K interleaved (1680 bytes a step): 16384 ahead, 1.16x over 8192 and 2x over 1024 on the
-# 1.1B shape's down projection (2048 x 5632, paired, out of cache, with the L2 hint); Q5_K
-# interleaved (1440 bytes) likewise: 16384 ahead with the L2 hint 1.42x over 1024 ahead without
-# it, 1.05x over 6144 with it.
-PREFETCH_ONE_STREAM = {"q4_k": 6144, "q5_k": 16384, "q6_k": 16384}
+# A decode GEMV over k-quant rows interleaved by 8 reads one stream 1184 / 1440 / 1680 bytes
+# (Q4_K / Q5_K / Q6_K: a super-block of 8 rows) per step, so 1024 ahead lands within the step
+# being read. 16384 ahead (about ten steps), paired on the TinyLlama-1.1B shapes out of cache
+# with Zen 4's L2 hint: Q4_K 1.10 / 1.27 / 1.10x over 6144 (2048 x 5632, 2048 x 2048, 2560 x
+# 2048; 6144 was itself 1.3-2.0x over 1024), Q5_K 1.42x over 1024 without the hint and 1.04-1.05x
+# over 6144, Q6_K 1.16x over 8192 and 2x over 1024. The fused SwiGLU GEMV keeps 1024: at
+# 3072-6144 it measured 0.83-1.12x across runs, no gain.
+PREFETCH_ONE_STREAM = {"q4_k": 16384, "q5_k": 16384, "q6_k": 16384}
 
 
 def _one_stream_ahead(fmt) -> int:
@@ -118,9 +117,8 @@ def _plain_at(K: int):
 def _tiled_at(K: int):
     """``_plain_at`` for the int8 tiles: the tokens in blocks of ``TT``, each block unit after
     unit with its ``TT`` tokens' 32 quants side by side (and their dx, sums likewise), so a tile
-    of ``TT`` tokens reads x front to back as one stream.  Rows one after another put each
-    token's 32 bytes of a unit K bytes apart: ``TT`` streams, which left the tile waiting on x
-    (2.5x slower than with every token's x the same row)."""
+    of ``TT`` tokens reads x front to back as one stream (rows one after another: ``TT``
+    streams K bytes apart, the Q4_K x8 tile 1.2x slower over 64 rows; docs/design.md)."""
     NB = K // QBLOCK
     return ((lambda m, b: ((m // TT) * NB + b) * (TT * QBLOCK) + (m % TT) * QBLOCK),
             (lambda m, b: ((m // TT) * NB + b) * TT + m % TT))
@@ -130,10 +128,10 @@ def _row_quantizer(K: int, wide: bool = False, at=None):
     """``quantize(xs, m, xq, xd, xsum)``: row m of xs (n, K) float32 quantized per 32-block to
     int8 (``wide``: int16) in ``xq``, the blocks' dx = max|x| / 127 (32767) in ``xd``, ``dx *
     sum(xq)`` over each block in ``xsum``, at the places ``at`` (``_plain_at`` by default)
-    gives.  Each block is one 32-lane
-    vector, its max and its quants' sum reduced by shuffles (the sum in int32: exact, as a float
-    sum of these integers is).  The decode GEMVs quantize x on one core before sharing out the
-    rows, so this is serial time of every call (docs/design.md)."""
+    gives.  Each block is one 32-lane vector, its max and its quants' sum reduced by shuffles
+    (the sum in int32: exact, as a float sum of these integers is).  The decode GEMVs quantize
+    x on one core before sharing out the rows, so this is serial time of every call
+    (docs/design.md)."""
     NB = K // QBLOCK
     QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
     q_at, s_at = at or _plain_at(K)
