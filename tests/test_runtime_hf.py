@@ -160,10 +160,10 @@ def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
 
 def _q4_k_m_like(name: str) -> str:
     """A Q4_K_M-like mix of k-quants by GGUF tensor name: Q6_K output and layer 0's V and down
-    (llama.cpp raises those), Q5_K gate / up, Q4_K the rest."""
+    (llama.cpp raises those), Q5_K gate / up and layer 1's down, Q4_K the rest."""
     if name == "output.weight" or name in ("blk.0.attn_v.weight", "blk.0.ffn_down.weight"):
         return "q6_k"
-    if ".ffn_gate." in name or ".ffn_up." in name:
+    if ".ffn_gate." in name or ".ffn_up." in name or name == "blk.1.ffn_down.weight":
         return "q5_k"
     return "q4_k"
 
@@ -194,7 +194,7 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
     assert base == "q4_k"
     assert dict(others) == {"layers.0.wv": "q6_k", "layers.0.w_down": "q6_k",
                             "layers.0.w_gate_up": "q5_k", "layers.1.w_gate_up": "q5_k",
-                            "lm_head": "q6_k"}
+                            "layers.1.w_down": "q5_k", "lm_head": "q6_k"}
     native, floats = source.load_params(base, others), source.load_params("float32")
     assert "layers.0.wqkv" not in native and "layers.1.wqkv" in native
     q, kv = cfg.q_size, cfg.kv_size
@@ -211,7 +211,8 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
     base8, others8 = interleave_formats(cfg, base, others)
     assert base8 == "q4_kx8" and dict(others8) == {
         **dict(others), "layers.0.wv": "q6_kx8", "layers.0.w_down": "q6_kx8",
-        "layers.0.w_gate_up": "q5_kx8", "layers.1.w_gate_up": "q5_kx8", "embed": "q4_k"}
+        "layers.0.w_gate_up": "q5_kx8", "layers.1.w_gate_up": "q5_kx8",
+        "layers.1.w_down": "q5_kx8", "embed": "q4_k"}
     assert artifact.manifest.weight_dtype == base8
     assert artifact.manifest.key["weight_formats"] == dict(others8)
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
