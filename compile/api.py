@@ -225,6 +225,17 @@ def _check_gpu_tensor_sizes(spec: BuildSpec, kind: str) -> None:
                               "target")
 
 
+def weights_line(name: str, weight_dtype: str, weight_formats) -> str:
+    """The progress line naming a model's weight formats: the default, then each other format
+    with the one matrix it holds or its count of matrices."""
+    by_format: dict[str, list[str]] = {}
+    for matrix, fmt in weight_formats:
+        by_format.setdefault(fmt, []).append(matrix)
+    others = "".join(f", {names[0]} {fmt}" if len(names) == 1 else f", {len(names)} matrices {fmt}"
+                     for fmt, names in sorted(by_format.items(), key=lambda kv: -len(kv[1])))
+    return f"weights of {name} as {weight_dtype}{others}"
+
+
 def context_warning(spec: BuildSpec, by_blocks: bool = False) -> str | None:
     """What to tell a user whose artifact holds more tokens per sequence than the model was
     trained on (``max_position_embeddings``): allowed, but positions past it are out of
@@ -279,9 +290,7 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
     lock = {"lock_timeout": float(lock_timeout), "waiting": progress}
     art_dir, hit = ensure_artifact(spec, tspec, root, policy,
                                    source.cli_name or source.config.name, **lock)
-    mix = "".join(f", {n} {f}" for n, f in spec.weight_formats[:3])
-    more = f", {len(spec.weight_formats) - 3} more" if len(spec.weight_formats) > 3 else ""
-    say(f"weights of {source.config.name} as {spec.weight_dtype}{mix}{more}")
+    say(weights_line(source.config.name, spec.weight_dtype, spec.weight_formats))
     w_dir, w_hit = ensure_weights(source, spec.weight_dtype, root, policy,
                                   spec.weight_formats, **lock)
     return Prepared(art_dir, w_dir, read_manifest(art_dir)[0], hit, w_hit)

@@ -742,3 +742,17 @@ def test_float_small_buckets_take_the_matmul_once_x_outgrows_l1():
     assert k.takes_small_rows("float32", 2, 2048)
     assert not k.takes_small_rows("float16", SMALL_ROWS + 1, 64)
     assert k.takes_small_rows("q4_0", quant.SMALL_ROWS, 8192)
+
+
+def test_the_progress_line_names_every_weight_format():
+    """The line ``prepare`` prints names the default format and every other one (its matrix,
+    or its count of matrices), so a Q6_K LM head among twenty Q6_K x8 matrices is not hidden."""
+    from paged_decode.compile.api import weights_line
+
+    formats = [("embed", "q5_k"), ("lm_head", "q6_k")] + [
+        (f"layers.{i}.{m}", "q6_kx8") for i in range(10) for m in ("wv", "w_down")]
+    assert weights_line("tl", "q5_kx8", formats) == (
+        "weights of tl as q5_kx8, 20 matrices q6_kx8, embed q5_k, lm_head q6_k")
+    assert weights_line("smol", "q4_1x8", [("embed", "q8_0x8")]) == (
+        "weights of smol as q4_1x8, embed q8_0x8")
+    assert weights_line("f", "float32", []) == "weights of f as float32"
