@@ -912,16 +912,14 @@ class _KRows8(_Grouped):
     a sub-block's eight scales one 8-byte load, for 4 bytes more per row's super-block (Q4_K
     4.625 bits per weight instead of 4.5, Q5_K 5.625 instead of 5.5)."""
 
+    QH = 160  # byte of the fifth bits' chunks in a group's super-block (Q5_K)
+
     def __init__(self, base: WeightFormat):
         super().__init__(base, base.block_bytes + 4)
 
     @property
     def fifth(self) -> bool:
         return self.base.bits == 5
-
-    @property
-    def QH(self) -> int:  # byte of the fifth bits' chunks in a group's super-block (Q5_K)
-        return 160
 
     @property
     def QS(self) -> int:  # byte of the nibbles in a group's super-block

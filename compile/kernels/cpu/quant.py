@@ -37,6 +37,7 @@ bytes gathered from the chunks).
 from __future__ import annotations
 
 import functools
+import operator
 
 from tvm.script import tirx as T
 
@@ -94,10 +95,6 @@ def _row_step(fmt, K: int) -> tuple[int, int, int]:
     return RB, U, -(-U * QBLOCK * RB // K)
 
 
-def _add(a, b):
-    return a + b
-
-
 def _halves(v, lanes: int, op):
     """``op`` over a ``lanes``-lane vector's two halves, down to one lane (a tree of shuffles,
     as LLVM's own reductions are)."""
@@ -146,7 +143,8 @@ def _row_quantizer(K: int, wide: bool = False, at=None):
             q = T.Cast(f"int32x{QBLOCK}", T.nearbyint(
                 xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)] * T.broadcast(st[1], QBLOCK)))
             xq[T.ramp(q_at(m, b), 1, QBLOCK)] = T.Cast(f"{QT}x{QBLOCK}", q)
-            xsum[s_at(m, b)] = T.Cast("float32", _halves(q, QBLOCK, _add)) * xd[s_at(m, b)]
+            xsum[s_at(m, b)] = T.Cast("float32", _halves(q, QBLOCK, operator.add)) * xd[
+                s_at(m, b)]
 
     return quantize
 
@@ -243,7 +241,7 @@ def _group_fill(fmt, K: int, N: int, wide_x: bool, locality: int, vnni: bool = F
     def fill(W, xq, xd, xsum, Y, u):
         for gi in range(GU):
             if u * GU + gi < G:
-                dot((W, as_int8(W), as_f16(W)), _x_view(xq, K), xd, xsum, 0, Y, gi * ROW_GROUP,
+                dot((W, as_int8(W), as_f16(W)), _x_view(xq), xd, xsum, 0, Y, gi * ROW_GROUP,
                     u * GU + gi)
 
     return fill
@@ -336,7 +334,7 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int,
         def fill(Wv, xq, xd, xsum, out, a0, o):
             for gi in range(RG // ROW_GROUP):
                 if a0 + gi * ROW_GROUP < I:
-                    dot(Wv, _x_view(xq, K), xd, xsum, 0, out, o + gi * ROW_GROUP,
+                    dot(Wv, _x_view(xq), xd, xsum, 0, out, o + gi * ROW_GROUP,
                         row(a0) // ROW_GROUP + gi)
                 else:
                     out[T.ramp(o + gi * ROW_GROUP, 1, 8)] = T.broadcast(T.float32(0), 8)
@@ -757,10 +755,10 @@ def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int, vnni: bool = False,
 # ------------------------------------------------------------------ rows interleaved by 8
 # (``formats._Grouped``): lanes are the group's rows, so every kernel below computes 8 rows' dot
 # products in one float32x8 accumulator and reduces nothing across lanes
-def _x_view(xq, count):
+def _x_view(xq):
     """The quantized x, four weights per element (``group_dot`` broadcasts them): int8 x as
     int32, int16 x (``wide_x``) as int64."""
-    return T.decl_buffer((count // 4,), "int64" if xq.dtype == "int16" else "int32",
+    return T.decl_buffer((xq.shape[0] // 4,), "int64" if xq.dtype == "int16" else "int32",
                          data=xq.data)
 
 
@@ -895,7 +893,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
         quantize_rows(x, xq, xd, xsum, n)
         for task in T.parallel((n + MB - 1) // MB * G):
             Y = T.decl_buffer((TT * 8,), "float32")
-            run((W, as_int8(W), as_f16(W)), co(task), _x_view(xq, xq.shape[0]), xd, xsum, m0(task),
+            run((W, as_int8(W), as_f16(W)), co(task), _x_view(xq), xd, xsum, m0(task),
                 rows(task, n), Y, y, bias, res, 0)
 
     func = matmul_func(body, N, K, "uint8", epilogue, token_dim(None), _storage(fmt, N, K))
@@ -951,12 +949,12 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False,
             for h in range(GR):
                 if group(task, h) * ROW_GROUP < I:
                     run_gate(Wv, gate_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
-                             _x_view(xq, xq.shape[0]), xd, xsum, m0(task), rows(task, n), Y, G,
+                             _x_view(xq), xd, xsum, m0(task), rows(task, n), Y, G,
                              m0(task) - h * MB, act, group(task, h))
             for h in range(GR):
                 if group(task, h) * ROW_GROUP < I:
                     run_up(Wv, up_row(group(task, h) * ROW_GROUP) // ROW_GROUP,
-                           _x_view(xq, xq.shape[0]), xd, xsum, m0(task), rows(task, n), Y, G,
+                           _x_view(xq), xd, xsum, m0(task), rows(task, n), Y, G,
                            m0(task) - h * MB, act, group(task, h))
 
     func = swiglu_matmul_func(body, I, K, "uint8", n, _storage(fmt, 2 * I, K))
