@@ -685,6 +685,34 @@ def test_quantized_kernels_take_vnni_by_the_targets_cpu():
         assert ("vpdpbusd" in asm) == want, mcpu
 
 
+@X86_ONLY
+def test_q6_k_decode_gemv_prefetches_into_l1_where_its_far_prefetch_stops_at_l2():
+    """On Zen 4 (the L2 hint) the Q6_K x8 decode GEMV adds a near ``prefetcht0`` to its far
+    ``prefetcht1``, Q5_K x8 keeps the one; a CPU without the L2 hint (Haswell: ``prefetchnta``)
+    gets no near prefetch.  The GEMV with both prefetches still computes the same products."""
+    import tvm
+
+    from paged_decode.compile.kernels.registry import kernels_for
+
+    def asm(mcpu, fmt):
+        target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
+        func = kernels_for("llvm", target).gemv(64, 512, fmt, "none", None)
+        return tvm.compile(func, target=target).mod.inspect_source("asm")
+
+    zen_q6, zen_q5, haswell_q6 = asm("znver4", "q6_kx8"), asm("znver4", "q5_kx8"), asm(
+        "haswell", "q6_kx8")
+    assert "prefetcht1" in zen_q6 and "prefetcht0" in zen_q6
+    assert "prefetcht1" in zen_q5 and "prefetcht0" not in zen_q5
+    assert "prefetchnta" in haswell_q6 and "prefetcht0" not in haswell_q6
+    N, K = 48, 512
+    packed, Wd = _weights("q6_kx8", N, K, 21)
+    x = np.random.default_rng(21).standard_normal((1, K)).astype(np.float32)
+    y = _t(np.zeros((1, N), np.float32))
+    _compiled(quant.gemv, N, K, "q6_kx8", "none", None, False, quant.L2)(
+        _t(x), _t(_stored("q6_kx8", packed)), y)
+    _close(y.numpy()[0], Wd @ _x_as_quantized(x[0]).astype(np.float64))
+
+
 def test_prefill_of_long_rows_takes_the_int8_tile():
     """Prefill matmuls over rows of at least INT8_MIN_K weights are the int8 tiles (LM head:
     int16 x); shorter rows keep the float tile over decoded weights."""

@@ -14,14 +14,15 @@ VL = 16  # f32 vector lanes the CPU kernels accumulate in (one AVX-512 register;
 CACHE_LINE = 64  # bytes
 
 
-NTA, L2 = 0, 2  # ``llvm.prefetch`` localities: prefetchnta, prefetcht1
+NTA, L2, L1 = 0, 2, 3  # ``llvm.prefetch`` localities: prefetchnta, prefetcht1, prefetcht0
 
 
 def prefetch_hint(address, locality: int):
     """Hint the CPU to bring the cache line at ``address`` (``T.address_of(buf[...])``) close to
     the core (``llvm.prefetch``, read): ``NTA`` as data used once (``prefetchnta``; where the
     line goes, and how it is kept from crowding out other data, is up to the CPU), ``L2`` into
-    L2 (``prefetcht1``); never faults, so it needs no bounds check."""
+    L2 (``prefetcht1``), ``L1`` into L1 (``prefetcht0``); never faults, so it needs no bounds
+    check."""
     return T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, locality, 1))
 
 
