@@ -63,8 +63,10 @@ PREFETCH_DEFAULT = 1024
 # being read. 16384 ahead (about ten steps), paired on the TinyLlama-1.1B shapes out of cache
 # with Zen 4's L2 hint: Q4_K 1.10 / 1.27 / 1.10x over 6144 (2048 x 5632, 2048 x 2048, 2560 x
 # 2048; 6144 was itself 1.3-2.0x over 1024), Q5_K 1.42x over 1024 without the hint and 1.04-1.05x
-# over 6144, Q6_K 1.16x over 8192 and 2x over 1024. The fused SwiGLU GEMV keeps 1024: at
-# 3072-6144 it measured 0.83-1.12x across runs, no gain.
+# over 6144, Q6_K 1.16x over 8192 and 2x over 1024. The fused SwiGLU GEMV, which reads its
+# unit's 256 rows front to back as one stream, takes the same distances: over 1024, on the
+# 1.1B shape's 11264 x 2048 gate / up, Q4_K x8 1.11-1.53x (at the plain GEMV's rate), Q6_K x8
+# 1.30x, Q5_K x8 0.91-1.07x (4096 and 8192 measured slower than 1024).
 PREFETCH_ONE_STREAM = {"q4_k": 16384, "q5_k": 16384, "q6_k": 16384}
 # Where that far prefetch stops at L2 (Zen 4's hint), a second one brings the lines of the step
 # ``PREFETCH_NEAR`` bytes ahead on into L1 (``prefetcht0``).  The Q6_K x8 GEMV (27 lines a step,
@@ -333,7 +335,7 @@ def _group_tile_fill(fmt, K: int, I: int, gate_row, up_row, locality: int,
     """``_row_tile_fill`` over rows interleaved by 8 (I a multiple of 8: a group never
     straddles a gate run and an up run): the tile's two groups of gate rows, then its two of up
     rows, in memory order as ``_row_tile_fill``'s."""
-    dot = _group_dot(fmt, K, False, locality, vnni=vnni)
+    dot = _group_dot(fmt, K, False, locality, _one_stream_ahead(fmt), vnni=vnni)
 
     def groups_of(row):  # the tile's groups of gate (or up) rows into out
         @T.macro
