@@ -853,7 +853,7 @@ class _Rows8(_Grouped):
         return _pairs_to_i32x8(_sum8([_maddubs32(u, i) for u, i in pairs]))
 
     def group_dot_wide(self, Wv, g, b, x64, x0):
-        """``group_dot`` for int16 x (the LM head's; Q8_0 only, ``wide_x``): ``x64`` the x
+        """``group_dot`` for int16 x (the LM head's; Q8_0's, ``wide_x``): ``x64`` the x
         as int64, four weights per element, from element ``x0``.  Each chunk's halves (rows
         0-3, rows 4-7: 4 quants each) are widened to int16 and multiplied pairwise with the
         chunk's 4 x, summing into one int32 per row and pair; one ``vphaddd`` joins each row's
@@ -1110,6 +1110,33 @@ class _Q6KRows8(_Grouped):
         return (parts[0] * self._sub_scales8(Wv, g, b, 0)
                 + parts[1] * self._sub_scales8(Wv, g, b, 1))
 
+    @property
+    def wide_x(self) -> bool:
+        return True
+
+    def group_dot_wide(self, Wv, g, b, x64, x0):
+        """``group_dot`` for int16 x (a Q6_K LM head's; ``x64`` as ``_Rows8.group_dot_wide``
+        takes it), float32x8.  The quants less 32 (-32..31) are signed, so each chunk's halves
+        (rows 0-3, rows 4-7) widen to int16 and multiply pairwise with the chunk's 4 x
+        (``vpmaddwd``); one ``vphaddd`` per 16-weight half joins each row's pairs.  A half's
+        sum times its int8 scale stays in int32 (16 x 32 x 32767 x 128 < 2^31); the two
+        halves add in float32, where their int32 sum could overflow."""
+        halves = []
+        for half in (0, 1):
+            acc = [T.broadcast(T.int32(0), 8), T.broadcast(T.int32(0), 8)]
+            for j in range(4 * half, 4 * half + 4):
+                q = T.reinterpret("int8x32", self._quants(
+                    lambda at: Wv[0].vload([g, at], "uint8x32"), b, j, 32)) - T.broadcast(
+                    T.int8(32), 32)
+                x4 = T.reinterpret("int16x16", T.broadcast(x64[x0 + j], 4))
+                for r in (0, 1):
+                    q16 = T.Cast("int16x16", T.Shuffle([q], list(range(16 * r, 16 * r + 16))))
+                    acc[r] = acc[r] + _madd16(q16, x4)
+            pairs = T.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.phadd.d", *acc)
+            rows = T.Shuffle([pairs], [0, 1, 4, 5, 2, 3, 6, 7])
+            halves.append(T.Cast("float32x8", rows * self._sub_scales8(Wv, g, b, half)))
+        return halves[0] + halves[1]
+
     def group_unit(self, Wv, g, b, dot, xd, xsum):
         return self._field8(Wv, g, (b // 8) * self.unit_bytes, 0) * (
             T.Cast("float32x8", dot) * T.broadcast(xd, 8))
@@ -1152,8 +1179,8 @@ def interleaved(name: str, fmt: str, rows: int, gate_up_inter: int | None = None
     interleaved layout where one exists and whole groups of rows fit (``w_gate_up``: its gate
     and up runs too, ``gate_up_inter`` act rows), else ``fmt``.  The LM head (``lm_head``, or
     the embedding where ``tied``) reads int16 x, so it is interleaved only in a layout whose
-    kernels take it (``wide_x``: Q8_0); an embedding that is not the head keeps rows (it is
-    read by rows)."""
+    kernels take it (``wide_x``: Q8_0, Q6_K); an embedding that is not the head keeps rows (it
+    is read by rows)."""
     x8 = INTERLEAVED.get(fmt)
     if x8 is None or rows % ROW_GROUP:
         return fmt

@@ -360,10 +360,10 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
         smollm_gguf):
     """On a CPU target SmolLM2's Q4_1 matrices and its Q8_0 embedding (the tied LM head, whose
     int16 x Q8_0's interleaved kernels take) take the interleaved layout; the pack holds the
-    file's blocks regrouped (ungrouped: the bytes the plain layout holds); Q6_K matrices too.
-    Rows are kept by a w_gate_up whose act rows do not fill groups of 8, an untied embedding
-    and an LM head in a format whose interleaved kernels take int8 x only (Q4_K_M's Q6_K
-    head)."""
+    file's blocks regrouped (ungrouped: the bytes the plain layout holds); Q6_K matrices too,
+    and a Q6_K LM head (Q4_K_M's).  Rows are kept by a w_gate_up whose act rows do not fill
+    groups of 8, an untied embedding and an LM head in a format whose interleaved kernels take
+    int8 x only (Q4_0)."""
     import dataclasses
 
     from paged_decode.compile.config import preset
@@ -384,7 +384,7 @@ def test_cpu_layout_interleaves_the_32_weight_formats_and_loads_the_file_regroup
     assert interleave_formats(cfg, "q6_k", (("lm_head", "q8_0"),)) == (
         "q6_kx8", (("embed", "q6_k"), ("lm_head", "q8_0x8")))
     assert interleave_formats(cfg, "q4_k", (("lm_head", "q6_k"),)) == (
-        "q4_kx8", (("embed", "q4_k"), ("lm_head", "q6_k")))
+        "q4_kx8", (("embed", "q4_k"), ("lm_head", "q6_kx8")))
     odd = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size + 4)
     got = dict(interleave_formats(odd, "q4_0", (("lm_head", "q8_0"),))[1])
     assert got["layers.0.w_gate_up"] == "q4_0" and got["lm_head"] == "q8_0x8"
@@ -492,7 +492,8 @@ GEMV_CASES = [(f, *SHAPES[i], v) for f in QUANT_FORMATS
 GEMV_CASES += [(f, *s, v) for f in X8_FORMATS for s, v in (
     ((40, (32, 256)), "none"), ((1000, (576, 1280)), "norm"))] + [
     ("q4_1x8", 136, (416, 0), v) for v in ("residual", "norm_bias")] + [
-    ("q8_0x8", *s, v) for s, v in (((40, (32, 256)), "wide_x"), ((136, (416, 0)), "norm_wide_x"))]
+    (f, *s, v) for f in ("q8_0x8", "q6_kx8")
+    for s, v in (((40, (32, 256)), "wide_x"), ((136, (416, 768)), "norm_wide_x"))]
 
 
 @pytest.mark.parametrize("fmt,N,Ks,variant", GEMV_CASES)
@@ -621,7 +622,8 @@ def test_quantized_prefill_swiglu(fmt, int8):
 # the LM head's int16 x with one 32-weight format and one k-quant
 INT8_CASES = [(f, "bias", False) for f in QUANT_FORMATS + X8_FORMATS] + [
     (f, e, w) for f in ("q4_1", "q4_k") for e, w in (("none", True), ("residual", False))] + [
-    ("q4_0x8", e, False) for e in ("none", "residual")] + [("q8_0x8", "none", True)]
+    ("q4_0x8", e, False) for e in ("none", "residual")] + [
+    (f, "none", True) for f in ("q8_0x8", "q6_kx8")]
 
 
 @pytest.mark.parametrize("fmt,epilogue,wide_x", INT8_CASES)
@@ -730,7 +732,7 @@ def test_prefill_of_long_rows_takes_the_int8_tile():
         assert "_i8" not in name(func)
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("q8_0x8",))  # q8_0x8: a tied LM head's
+@pytest.mark.parametrize("fmt", QUANT_FORMATS + ("q8_0x8", "q6_kx8"))  # x8: tied LM heads'
 def test_quantized_embedding_is_the_exact_dequantized_row(fmt):
     V, H = 56, _k(fmt, 96, 512)
     packed, Wd = _weights(fmt, V, H)

@@ -207,12 +207,12 @@ def test_k_quant_gguf_runs_its_formats_natively(load, llama_wide_ckpt, tmp_path_
             np.testing.assert_array_equal(FORMATS[fmt].dequantize(packed, want.shape[1]), want,
                                           err_msg=name)
     artifact, weights = load(path, block_size=4, max_context=64)
-    # the CPU layout: the matrices interleaved by 8 (the embedding and the Q6_K head keep rows)
+    # the CPU layout: the matrices and the Q6_K head interleaved by 8 (the embedding keeps rows)
     base8, others8 = interleave_formats(cfg, base, others)
     assert base8 == "q4_kx8" and dict(others8) == {
         **dict(others), "layers.0.wv": "q6_kx8", "layers.0.w_down": "q6_kx8",
         "layers.0.w_gate_up": "q5_kx8", "layers.1.w_gate_up": "q5_kx8",
-        "layers.1.w_down": "q5_kx8", "embed": "q4_k"}
+        "layers.1.w_down": "q5_kx8", "embed": "q4_k", "lm_head": "q6_kx8"}
     assert artifact.manifest.weight_dtype == base8
     assert artifact.manifest.key["weight_formats"] == dict(others8)
     logits, tokens = run_ours(artifact, weights, PROMPT, 8)
@@ -247,12 +247,14 @@ def test_hf_checkpoint_quantized_to_q4_k_tracks_float(load, llama_wide_ckpt):
 
 def test_hf_checkpoint_in_the_q4_k_m_mix_tracks_float(load, llama_wide_ckpt):
     """``--weight-format q4_k_m`` on an HF directory: llama.cpp's mix (of 2 layers, layer 1
-    takes Q6_K V, its rows apart from Q / K, and down projection; the LM head Q6_K), logits
+    takes Q6_K V, its rows apart from Q / K, and down projection; the LM head Q6_K, its rows
+    interleaved too: its int16 x is one its kernels take), logits
     within QUANT_MODEL_RTOL of transformers' float32 model."""
     artifact, weights = load(llama_wide_ckpt.path, weight_dtype="q4_k_m", block_size=4,
                              max_context=64)
     assert artifact.manifest.weight_dtype == "q4_kx8"
     assert artifact.manifest.key["weight_formats"] == {
-        "embed": "q4_k", "lm_head": "q6_k", "layers.1.wv": "q6_kx8", "layers.1.w_down": "q6_kx8"}
+        "embed": "q4_k", "lm_head": "q6_kx8", "layers.1.wv": "q6_kx8",
+        "layers.1.w_down": "q6_kx8"}
     assert "layers.1.wqk" in {p[0] for p in artifact.manifest.params}
     _assert_tracks_float(artifact, weights, llama_wide_ckpt, "q4_k_m")

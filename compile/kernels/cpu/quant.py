@@ -816,7 +816,7 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
 def _check_wide_x(fmt, wide_x: bool):
     if wide_x and not fmt.wide_x:  # an LM head in this format keeps rows (``interleaved``)
         raise ValueError(f"{fmt.name}: these interleaved rows take int8 x only (wide_x: "
-                         "int16 x is Q8_0's)")
+                         "int16 x is Q8_0's and Q6_K's)")
 
 
 def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
