@@ -704,6 +704,12 @@ class _Grouped(WeightFormat):
         head's kernels), so that an LM head in this format can be interleaved."""
         return False
 
+    @property
+    def half_sums(self) -> bool:
+        """Whether its int8 ``group_dot`` takes ``neg``: each 16-weight half's -32 sum x,
+        which its kernels' quantizer stores with x in place of the block's sum."""
+        return False
+
     def __init__(self, base: WeightFormat, block_bytes: int):
         super().__init__(base.name + INTERLEAVED_SUFFIX, block_bytes, base.gguf_type)
         object.__setattr__(self, "base", base)
@@ -1081,21 +1087,17 @@ class _Q6KRows8(_Grouped):
         """int32x8: the 8 rows' scales of unit b's half ``half``."""
         return T.Cast("int32x8", Wv[1].vload([g, self._sub_at(b, half)], "int8x8"))
 
-    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
+    @property
+    def half_sums(self) -> bool:
+        return True
+
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False, neg=None):
         # sum (q - 32) x per half as sum q x - 32 sum x: q (0..63) is the unsigned operand as
-        # it is; 32 sum x comes from one product over the unit's 32 x, its lanes' 4-sums added
-        # within each half and spread to all lanes
+        # it is; each half's chain starts from its -32 sum x, which the kernels' quantizer
+        # stored with x (``neg``: computed per unit and token, it cost a Q6_K x8 tile about a
+        # third of its instructions)
         q = [self._quants(lambda at: Wv[0].vload([g, at], "uint8x32"), b, j, 32)
              for j in range(8)]
-        xs = T.reinterpret("int8x32", x32.vload([x0], "int32x8"))
-        if vnni:
-            four = _dpbusd(T.broadcast(T.int32(0), 8), T.broadcast(T.uint8(32), 32), xs)
-        else:
-            four = _pairs_to_i32x8(_maddubs32(T.broadcast(T.uint8(32), 32), xs))
-        four = T.broadcast(T.int32(0), 8) - four
-        two = four + T.Shuffle([four], [1, 0, 3, 2, 5, 4, 7, 6])
-        half = two + T.Shuffle([two], [2, 3, 0, 1, 6, 7, 4, 5])  # lanes 0-3: -32 sum of half 0
-        neg = [T.Shuffle([half], [lane] * 8) for lane in (0, 4)]
         if vnni:  # each half's chain starts from its -32 sum x
             parts = []
             for h in (0, 1):

@@ -129,17 +129,34 @@ def _tiled_at(K: int):
             (lambda m, b: ((m // TT) * NB + b) * TT + m % TT))
 
 
-def _row_quantizer(K: int, wide: bool = False, at=None):
+def _row_quantizer(K: int, wide: bool = False, at=None, halves: bool = False):
     """``quantize(xs, m, xq, xd, xsum)``: row m of xs (n, K) float32 quantized per 32-block to
     int8 (``wide``: int16) in ``xq``, the blocks' dx = max|x| / 127 (32767) in ``xd``, ``dx *
     sum(xq)`` over each block in ``xsum``, at the places ``at`` (``_plain_at`` by default)
-    gives.  Each block is one 32-lane vector, its max and its quants' sum reduced by shuffles
-    (the sum in int32: exact, as a float sum of these integers is).  The decode GEMVs quantize
-    x on one core before sharing out the rows, so this is serial time of every call
-    (docs/design.md)."""
+    gives; ``halves`` (the kernels of a format with ``half_sums``): in place of that sum, -32
+    times each 16-quant half's sum as two int32 at ``2 s`` and ``2 s + 1`` of ``xsum`` (of
+    twice the size; ``_sums_view``).  Each block is one 32-lane vector, its max and its quants'
+    sums reduced by shuffles (in int32: exact, as a float sum of these integers is).  The
+    decode GEMVs quantize x on one core before sharing out the rows, so this is serial time of
+    every call (docs/design.md)."""
     NB = K // QBLOCK
     QMAX, QT = (32767.0, "int16") if wide else (127.0, "int8")
     q_at, s_at = at or _plain_at(K)
+    H = QBLOCK // 2
+
+    @T.macro
+    def store_sum(xsum, xd, m, b, q):
+        xsum[s_at(m, b)] = T.Cast("float32", _halves(q, QBLOCK, operator.add)) * xd[s_at(m, b)]
+
+    @T.macro
+    def store_halves(xsum, xd, m, b, q):
+        sums = _sums_view(xsum)
+        sums[2 * s_at(m, b)] = T.int32(-32) * _halves(
+            T.Shuffle([q], list(range(H))), H, operator.add)
+        sums[2 * s_at(m, b) + 1] = T.int32(-32) * _halves(
+            T.Shuffle([q], list(range(H, QBLOCK))), H, operator.add)
+
+    store_sums = store_halves if halves else store_sum
 
     @T.macro
     def quantize(xs, m, xq, xd, xsum):
@@ -151,8 +168,7 @@ def _row_quantizer(K: int, wide: bool = False, at=None):
             q = T.Cast(f"int32x{QBLOCK}", T.nearbyint(
                 xs[m, T.ramp(b * QBLOCK, 1, QBLOCK)] * T.broadcast(st[1], QBLOCK)))
             xq[T.ramp(q_at(m, b), 1, QBLOCK)] = T.Cast(f"{QT}x{QBLOCK}", q)
-            xsum[s_at(m, b)] = T.Cast("float32", _halves(q, QBLOCK, operator.add)) * xd[
-                s_at(m, b)]
+            store_sums(xsum, xd, m, b, q)
 
     return quantize
 
@@ -198,11 +214,11 @@ def _row_dot(fmt, K: int, wide: bool = False, locality: int = NTA):
     return dot
 
 
-def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False):
+def _prepare_x(K: int, eps: float, norm: bool, wide: bool = False, halves: bool = False):
     """``prepare(x, g, xq, xd, xsum)``: quantize x, or rmsnorm(x) * g, once per call (to int8;
-    ``wide``: int16)."""
+    ``wide``: int16; ``halves`` as ``_row_quantizer``)."""
     normalize = _macros(K, eps, "float32", NTA)[0]
-    quantize = _row_quantizer(K, wide)
+    quantize = _row_quantizer(K, wide, None, halves)
 
     @T.macro
     def prepare(x, g, xq, xd, xsum):
@@ -268,7 +284,8 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     if fmt.grouped:
         _check_wide_x(fmt, wide_x)
     norm, NB = norm_eps is not None, K // QBLOCK
-    prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x)
+    halves = _halves_for(fmt, wide_x)
+    prepare = _prepare_x(K, norm_eps or 0.0, norm, wide_x, halves)
     fill = (_group_fill(fmt, K, N, wide_x, locality, vnni) if fmt.grouped
             else _row_fill(fmt, K, N, wide_x, locality))
     xdt = "int16" if wide_x else "int8"
@@ -291,7 +308,7 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     def body(x, g, W, y, bias, res):
         xq = T.decl_buffer((K,), xdt)
         xd = T.decl_buffer((NB,), "float32")
-        xsum = T.decl_buffer((NB,), "float32")
+        xsum = T.decl_buffer((NB * (2 if halves else 1),), "float32")
         prepare(x, g, xq, xd, xsum)
         run_units(unit, W, xq, xd, xsum, y, bias, res)
 
@@ -369,7 +386,8 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA,
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, I)
     NB = K // QBLOCK
-    prepare = _prepare_x(K, norm_eps, True)
+    halves = _halves_for(fmt, False)
+    prepare = _prepare_x(K, norm_eps, True, False, halves)
     UT = SWIGLU_UNIT_TILES
     UR = RG * UT
     run_units, _lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
@@ -392,7 +410,7 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA,
         with T.sblock("root"):
             xq = T.decl_buffer((K,), "int8")
             xd = T.decl_buffer((NB,), "float32")
-            xsum = T.decl_buffer((NB,), "float32")
+            xsum = T.decl_buffer((NB * (2 if halves else 1),), "float32")
             prepare(x, g, xq, xd, xsum)
             run_units(unit, W, xq, xd, xsum, act)
 
@@ -532,11 +550,11 @@ def embedding(V: int, H: int, wfmt: str, n_static: int | None = None):
 TT = 8
 
 
-def _rows_quantizer(K: int, wide: bool):
+def _rows_quantizer(K: int, wide: bool, halves: bool = False):
     """``quantize_rows(x, xq, xd, xsum, n)``: every row of x (n, K) quantized as the decode
     GEMV quantizes its vector (``_row_quantizer``), rows in parallel, in the tiles' layout
     (``_tiled_at``; ``_x_scratch`` holds it)."""
-    quantize = _row_quantizer(K, wide, _tiled_at(K))
+    quantize = _row_quantizer(K, wide, _tiled_at(K), halves)
 
     @T.macro
     def quantize_rows(x, xq, xd, xsum, n):
@@ -636,13 +654,19 @@ def _token_tiles(fmt, K: int, wide: bool, finish):
     return _run_tiles({tt: (_tile_dot(fmt, K, tt, wide), finish(tt)) for tt in (TT, 4, 2, 1)})
 
 
-def _x_scratch(K: int, n, wide: bool):
+def _x_scratch(K: int, n, wide: bool, halves: bool = False):
     """Scratch for x quantized (``_rows_quantizer``; n rounded up to whole ``TT`` blocks): one
     workspace per call."""
     NB, blocks = K // QBLOCK, (n + TT - 1) // TT * TT
     return (T.decl_buffer((blocks * K,), "int16" if wide else "int8", scope="local"),
             T.decl_buffer((blocks * NB,), "float32", scope="local"),
-            T.decl_buffer((blocks * NB,), "float32", scope="local"))
+            T.decl_buffer((blocks * NB * (2 if halves else 1),), "float32", scope="local"))
+
+
+def _halves_for(fmt, wide: bool) -> bool:
+    """Whether kernels over ``fmt`` take x's half sums (``_row_quantizer``'s ``halves``): a
+    layout whose int8 dot products start from them (``half_sums``)."""
+    return fmt.grouped and not wide and fmt.half_sums
 
 
 @cached
@@ -763,6 +787,18 @@ def linear_swiglu_rows(I: int, K: int, wfmt: str, rows: int, vnni: bool = False,
 # ------------------------------------------------------------------ rows interleaved by 8
 # (``formats._Grouped``): lanes are the group's rows, so every kernel below computes 8 rows' dot
 # products in one float32x8 accumulator and reduces nothing across lanes
+def _sums_view(xsum):
+    """``xsum`` as int32: the half sums ``_row_quantizer(halves=True)`` stores, two a block."""
+    return T.decl_buffer((xsum.shape[0],), "int32", data=xsum.data)
+
+
+def _neg(xsum, s):
+    """The two int32x8 chain starts of block ``s`` (each half's -32 sum x, all lanes) from the
+    half sums ``_row_quantizer(halves=True)`` stored."""
+    sums = _sums_view(xsum)
+    return [T.broadcast(sums[2 * s + h], ROW_GROUP) for h in range(2)]
+
+
 def _x_view(xq):
     """The quantized x, four weights per element (``group_dot`` broadcasts them): int8 x as
     int32, int16 x (``wide_x``) as int64."""
@@ -787,7 +823,12 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
     has_near = near_ahead > 0
     group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
 
+    halves = _halves_for(fmt, wide)
+
     def unit(Wv, g, b, x4, xd, xsum, x0):
+        if halves:
+            return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8, neg=_neg(
+                xsum, x0 // QBLOCK + b)), xd[x0 // QBLOCK + b], None)
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8),
                               xd[x0 // QBLOCK + b], xsum[x0 // QBLOCK + b])
 
@@ -835,7 +876,12 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
                                     locality)
     q_at, s_at = _tiled_at(K)
 
+    halves = _halves_for(fmt, wide)
+
     def unit(Wv, g, b, x4, xd, xsum, m):
+        if halves:
+            return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, q_at(m, b) // 4, neg=_neg(
+                xsum, s_at(m, b))), xd[s_at(m, b)], None)
         return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, q_at(m, b) // 4),
                               xd[s_at(m, b)], xsum[s_at(m, b)])
 
@@ -882,7 +928,8 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
     _check_fits(fmt, K, N)
     _check_wide_x(fmt, wide_x)
     G = N // ROW_GROUP
-    quantize_rows = _rows_quantizer(K, wide_x)
+    halves = _halves_for(fmt, wide_x)
+    quantize_rows = _rows_quantizer(K, wide_x, halves)
 
     def finish(tt):
         @T.macro
@@ -902,7 +949,7 @@ def linear_int8_x8(N: int, K: int, wfmt: str, epilogue: str = "none", wide_x: bo
 
     @T.macro
     def body(x, W, y, bias, res, n):
-        xq, xd, xsum = _x_scratch(K, n, wide_x)
+        xq, xd, xsum = _x_scratch(K, n, wide_x, halves)
         quantize_rows(x, xq, xd, xsum, n)
         for task in T.parallel((n + MB - 1) // MB * G):
             Y = T.decl_buffer((TT * 8,), "float32")
@@ -922,7 +969,8 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False,
     fmt = FORMATS[wfmt]
     _check_fits(fmt, K, I)
     gate_row, up_row = gate_up_rows(I)
-    quantize_rows = _rows_quantizer(K, False)
+    halves = _halves_for(fmt, False)
+    quantize_rows = _rows_quantizer(K, False, halves)
     GR = GATE_UP_ROWS // ROW_GROUP  # groups per run (the last run may hold fewer)
     RUNS = -(-I // GATE_UP_ROWS)
     m0, co, rows = _task(RUNS)
@@ -953,7 +1001,7 @@ def linear_swiglu_int8_x8(I: int, K: int, wfmt: str, vnni: bool = False,
 
     @T.macro
     def body(x, W, act, n):
-        xq, xd, xsum = _x_scratch(K, n, False)
+        xq, xd, xsum = _x_scratch(K, n, False, halves)
         quantize_rows(x, xq, xd, xsum, n)
         for task in T.parallel((n + MB - 1) // MB * RUNS):
             Wv = (W, as_int8(W), as_f16(W))
