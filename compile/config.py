@@ -44,6 +44,9 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _positive_finite(field: str, value: Any) -> None:
     try:
         ok = is_real(value) and math.isfinite(value) and value > 0
@@ -115,6 +118,10 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim}: RoPE needs an even head dimension")
         _positive_finite("rms_norm_eps", self.rms_norm_eps)
         _positive_finite("rope_theta", self.rope_theta)
+        if not 1 < self.rope_theta <= FLOAT32_MAX:  # the tables are float32: 1 / theta^(2i/d)
+            raise ConfigError(f"rope_theta={short_repr(self.rope_theta)}: RoPE's base must be "
+                              f"above 1 (its frequencies fall along the head dimension) and at "
+                              f"most {FLOAT32_MAX:.4g} (float32)")
         if not (self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling)):
             raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
                               "RopeScaling")

@@ -229,6 +229,10 @@ def test_prepare_takes_a_resolved_source_without_hashing_again(tmp_path, llama_c
     (LLAMA, dict(rope_theta=float("inf")), r"rope_theta=inf"),
     (LLAMA, dict(rope_theta=0), r"rope_theta=0"),
     (LLAMA, dict(rope_theta=10**400), r"rope_theta=1000.*: must be a positive finite number"),
+    # inverse frequencies 1 / theta^(2i / d) of a base at or below 1 grow (1e-188: inf in float32)
+    (LLAMA, dict(rope_theta=1e-188), r"rope_theta=1e-188: RoPE's base must be above 1"),
+    (LLAMA, dict(rope_theta=1), r"rope_theta=1(\.0)?: RoPE's base must be above 1"),
+    (LLAMA, dict(rope_theta=1e39), r"rope_theta=1e\+39: .*at most 3\.403e\+38 \(float32\)"),
     # rope_scaling, checked per type
     (LLAMA, dict(rope_scaling=[1, 2]), r"rope_scaling=\[1, 2\]: must be an object or null"),
     (LLAMA, dict(rope_scaling="llama3"), r"rope_scaling='llama3': must be an object"),
