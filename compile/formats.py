@@ -1091,7 +1091,7 @@ class _Q6KRows8(_Grouped):
     def half_sums(self) -> bool:
         return True
 
-    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False, neg=None):
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False, *, neg):
         # sum (q - 32) x per half as sum q x - 32 sum x: q (0..63) is the unsigned operand as
         # it is; each half's chain starts from its -32 sum x, which the kernels' quantizer
         # stored with x (``neg``: computed per unit and token, it cost a Q6_K x8 tile about a

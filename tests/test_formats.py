@@ -586,8 +586,8 @@ def test_quantized_prefill_linear(fmt, epilogue, tile):
 
 @pytest.mark.parametrize("factory", ["gemv", "linear_int8"])
 def test_interleaved_rows_refuse_int16_x(factory):
-    """The LM head's int16 x (``wide_x``) has interleaved kernels for Q8_0 only: a head in
-    another format keeps its rows."""
+    """The LM head's int16 x (``wide_x``) has interleaved kernels for Q8_0 and Q6_K only: a
+    head in another format keeps its rows."""
     with pytest.raises(ValueError, match="int8 x only"):
         getattr(quant, factory)(64, 256, "q4_0x8", "none", *([None] if factory == "gemv" else []),
                                 wide_x=True)

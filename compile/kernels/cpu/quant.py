@@ -36,12 +36,11 @@ bytes gathered from the chunks).
 
 from __future__ import annotations
 
-import functools
 import operator
 
 from tvm.script import tirx as T
 
-from ...formats import FORMATS, QBLOCK, ROW_GROUP
+from ...formats import FORMATS, INTERLEAVED, QBLOCK, ROW_GROUP
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import gemv_func, matmul_func, swiglu_matmul_func
@@ -308,7 +307,7 @@ def gemv(N: int, K: int, wfmt: str, epilogue: str = "none", norm_eps: float | No
     def body(x, g, W, y, bias, res):
         xq = T.decl_buffer((K,), xdt)
         xd = T.decl_buffer((NB,), "float32")
-        xsum = T.decl_buffer((NB * (2 if halves else 1),), "float32")
+        xsum = T.decl_buffer((_sums_len(NB, halves),), "float32")
         prepare(x, g, xq, xd, xsum)
         run_units(unit, W, xq, xd, xsum, y, bias, res)
 
@@ -410,7 +409,7 @@ def gemv_swiglu(I: int, K: int, wfmt: str, norm_eps: float, locality: int = NTA,
         with T.sblock("root"):
             xq = T.decl_buffer((K,), "int8")
             xd = T.decl_buffer((NB,), "float32")
-            xsum = T.decl_buffer((NB * (2 if halves else 1),), "float32")
+            xsum = T.decl_buffer((_sums_len(NB, halves),), "float32")
             prepare(x, g, xq, xd, xsum)
             run_units(unit, W, xq, xd, xsum, act)
 
@@ -660,7 +659,12 @@ def _x_scratch(K: int, n, wide: bool, halves: bool = False):
     NB, blocks = K // QBLOCK, (n + TT - 1) // TT * TT
     return (T.decl_buffer((blocks * K,), "int16" if wide else "int8", scope="local"),
             T.decl_buffer((blocks * NB,), "float32", scope="local"),
-            T.decl_buffer((blocks * NB * (2 if halves else 1),), "float32", scope="local"))
+            T.decl_buffer((_sums_len(blocks * NB, halves),), "float32", scope="local"))
+
+
+def _sums_len(blocks, halves: bool):
+    """float32 slots of ``xsum`` for ``blocks`` x blocks: one sum each, or two half sums."""
+    return blocks * (2 if halves else 1)
 
 
 def _halves_for(fmt, wide: bool) -> bool:
@@ -792,11 +796,22 @@ def _sums_view(xsum):
     return T.decl_buffer((xsum.shape[0],), "int32", data=xsum.data)
 
 
-def _neg(xsum, s):
-    """The two int32x8 chain starts of block ``s`` (each half's -32 sum x, all lanes) from the
-    half sums ``_row_quantizer(halves=True)`` stored."""
-    sums = _sums_view(xsum)
-    return [T.broadcast(sums[2 * s + h], ROW_GROUP) for h in range(2)]
+def _group_unit(fmt, wide: bool, vnni: bool):
+    """``unit(Wv, g, b, x4, e, xd, xsum, s)``: float32x8, unit b's contribution to group g's
+    8 rows, its x from element ``e`` of ``x4`` (``_x_view``), its block's dx / sum at ``s``
+    (half sums: ``_halves_for``, their -32 sum x broadcast as each half's chain start)."""
+    if wide:
+        return lambda Wv, g, b, x4, e, xd, xsum, s: fmt.group_unit(
+            Wv, g, b, fmt.group_dot_wide(Wv, g, b, x4, e), xd[s], xsum[s])
+    if _halves_for(fmt, wide):
+        def unit(Wv, g, b, x4, e, xd, xsum, s):
+            sums = _sums_view(xsum)
+            neg = [T.broadcast(sums[2 * s + h], ROW_GROUP) for h in range(2)]
+            return fmt.group_unit(Wv, g, b, fmt.group_dot(Wv, g, b, x4, e, vnni, neg=neg),
+                                  xd[s], None)
+        return unit
+    return lambda Wv, g, b, x4, e, xd, xsum, s: fmt.group_unit(
+        Wv, g, b, fmt.group_dot(Wv, g, b, x4, e, vnni), xd[s], xsum[s])
 
 
 def _x_view(xq):
@@ -821,16 +836,10 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
     near_ahead = PREFETCH_NEAR.get(fmt.base.name, 0) if locality == L2 else 0
     near = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", near_ahead, L1)
     has_near = near_ahead > 0
-    group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
-
-    halves = _halves_for(fmt, wide)
+    group_unit = _group_unit(fmt, wide, vnni)
 
     def unit(Wv, g, b, x4, xd, xsum, x0):
-        if halves:
-            return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8, neg=_neg(
-                xsum, x0 // QBLOCK + b)), xd[x0 // QBLOCK + b], None)
-        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, x0 // 4 + b * 8),
-                              xd[x0 // QBLOCK + b], xsum[x0 // QBLOCK + b])
+        return group_unit(Wv, g, b, x4, x0 // 4 + b * 8, xd, xsum, x0 // QBLOCK + b)
 
     @T.macro
     def dot(Wv, x4, xd, xsum, x0, Y, y0, g):
@@ -856,8 +865,9 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
 
 def _check_wide_x(fmt, wide_x: bool):
     if wide_x and not fmt.wide_x:  # an LM head in this format keeps rows (``interleaved``)
+        wide = ", ".join(f.base.gguf_type for f in INTERLEAVED.values() if f.wide_x)
         raise ValueError(f"{fmt.name}: these interleaved rows take int8 x only (wide_x: "
-                         "int16 x is Q8_0's and Q6_K's)")
+                         f"int16 x is taken by {wide})")
 
 
 def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
@@ -871,19 +881,13 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
     NB = K // QBLOCK
     chains = max(1, ACCS // tt)
     U = max(chains, fmt.block // QBLOCK)
-    group_dot = fmt.group_dot_wide if wide else functools.partial(fmt.group_dot, vnni=vnni)
+    group_unit = _group_unit(fmt, wide, vnni)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", _one_stream_ahead(fmt),
                                     locality)
     q_at, s_at = _tiled_at(K)
 
-    halves = _halves_for(fmt, wide)
-
     def unit(Wv, g, b, x4, xd, xsum, m):
-        if halves:
-            return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, q_at(m, b) // 4, neg=_neg(
-                xsum, s_at(m, b))), xd[s_at(m, b)], None)
-        return fmt.group_unit(Wv, g, b, group_dot(Wv, g, b, x4, q_at(m, b) // 4),
-                              xd[s_at(m, b)], xsum[s_at(m, b)])
+        return group_unit(Wv, g, b, x4, q_at(m, b) // 4, xd, xsum, s_at(m, b))
 
     @T.macro
     def tile(Wv, g, x4, xd, xsum, m0, Y):
