@@ -293,6 +293,21 @@ def test_prefill_linear(wdt, n, epilogue, tile):
     np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("N", [41, 42])  # tiles of one and two weight rows
+@pytest.mark.parametrize("n", [3, 9])  # a 4-token tile and single-token passes
+@pytest.mark.parametrize("tile", LINEAR_TILES)
+def test_prefill_linear_narrow_tiles(N, n, tile):
+    K = 48
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float16)
+    res = rng.standard_normal((n, N)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + res
+    y = _t(np.zeros((n, N), np.float32))
+    _compiled(linear, N, K, "float16", "residual", tile)(_t(x), _t(w), _t(res), y)
+    np.testing.assert_allclose(y.numpy(), ref, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("wdt", ["float32", "float16"])
 # serial; 63 lanes of one 16-row unit, the last unit partial; 64 lanes of 2-3 units, last partial
 @pytest.mark.parametrize("N,K", [(40, 72), (1000, 520), (2500, 300)])

@@ -71,6 +71,34 @@ def lane_sum_macro(width: int):
     return lane_sum
 
 
+def transpose_sums(vectors: list, lanes: int):
+    """An ``m``-lane vector whose lane ``j`` is the sum of ``vectors[j]``'s ``lanes`` lanes (m =
+    len(vectors) <= lanes, both powers of two): pairs of vectors are folded into one by two
+    shuffles and an add (a vector holding ``k`` sums of ``w`` lanes each becomes ``2 k`` sums of
+    ``w / 2``), then the last vector's halves, so ``m`` vectors take ``m - 1 + log2(lanes / m)``
+    vector adds in all rather than ``log2(lanes)`` each plus scalar ones, and stay in registers."""
+    m = len(vectors)
+    assert 0 < m <= lanes and m & (m - 1) == 0 and lanes & (lanes - 1) == 0, (m, lanes)
+    vs, w = list(vectors), lanes
+
+    def fold(w: int, half: int):
+        return [i * lanes + j * w + half * (w // 2) + t
+                for i in range(2) for j in range(lanes // w) for t in range(w // 2)]
+
+    while len(vs) > 1:
+        vs = [T.Shuffle([a, b], fold(w, 0)) + T.Shuffle([a, b], fold(w, 1))
+              for a, b in zip(vs[0::2], vs[1::2])]
+        w //= 2
+    v, width = vs[0], lanes  # width: the lanes of v, m sums of w lanes
+    while w > 1:
+        k = width // w
+        lo = [j * w + t for j in range(k) for t in range(w // 2)]
+        v = T.Shuffle([v], lo) + T.Shuffle([v], [i + w // 2 for i in lo])
+        w //= 2
+        width //= 2
+    return v
+
+
 STACK_BYTES = 1024  # TVM's kMaxStackAlloca
 
 
