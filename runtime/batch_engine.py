@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 
 from .artifact import Artifact, WeightPack, load_artifact, load_weights
 from .checks import is_int
-from .errors import InputError, QueueFullError
+from .errors import EngineStoppedError, InputError, QueueFullError
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, TokenLogprob
@@ -37,7 +37,9 @@ class Delta:
 
 
 # listener(stream, delta): called on the engine's thread for each piece, then once with None
-# when the stream ends (its finish_reason and error are set by then); it must not block
+# when the stream ends (its finish_reason and error are set by then); it must not block.  A
+# listener that raises ends its own request (finish_reason "error", the exception as its
+# ``error``) and is not called again; the engine and the other requests go on.
 Listener = Callable[["RequestStream", "Delta | None"], None]
 
 
@@ -59,6 +61,7 @@ class RequestStream:
         self._cut = False  # a stop string ended the text
         self.error: BaseException | None = None
         self.finish_reason: str | None = None
+        self._listener_error: BaseException | None = None
 
     # called on the engine's thread -------------------------------------------------------------
     def _push(self, token: int) -> bool:
@@ -88,13 +91,18 @@ class RequestStream:
     def _deliver(self, item) -> None:
         if self._listener is None:
             self._pieces.put(item)
-        else:
-            self._listener(self, None if item is _END else item)
+        elif self._listener_error is None:
+            try:
+                self._listener(self, None if item is _END else item)
+            except Exception as e:  # noqa: BLE001 - the user's code: it ends this request only
+                self._listener_error = e
 
     def _close(self, reason: str | None, error: BaseException | None = None) -> None:
         if error is None and reason != "stop":
             self._text += self._decoder.flush()
         self._send(len(self._text), final=True)
+        if self._listener_error is not None:  # its last pieces raised in the listener
+            reason, error = "error", error or self._listener_error
         self.finish_reason, self.error = reason, error
         self._deliver(_END)
 
@@ -186,17 +194,24 @@ class BatchEngine:
         ``top_logprobs``: record each token's log-probability and that many alternatives
         (:class:`Delta`); ``constraint``: a grammar (``self.grammars.json_schema(...)``);
         ``listener``: receives the pieces instead of the streams' iterators."""
-        if self._closed:
-            raise InputError("the engine is closed; load a new one")
+        if not self.alive:
+            raise EngineStoppedError("the engine is closed" if self._closed else
+                                     "the engine's thread has stopped")
+        if not (is_int(max_new_tokens) and max_new_tokens >= 1):
+            raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
         group = self.scheduler.make_forks(self._encode(prompt, chat), n, max_new_tokens,
                                           sampling, self.tokenizer.eos_ids,
                                           top_logprobs=top_logprobs, constraint=constraint)
+        if self.capacity is not None and len(group) > self.capacity:
+            raise InputError(f"n={n}: more continuations than this engine holds at once "
+                             f"({self.capacity}: max_running {self.scheduler.max_running} + "
+                             f"max_waiting {self.max_waiting}); ask for at most "
+                             f"{self.capacity}, or raise max_waiting")
         streams = [RequestStream(self, req, tuple(stop), listener) for req in group]
         with self._lock:
-            bound = None if self.max_waiting is None else self.scheduler.max_running + \
-                self.max_waiting
+            bound = self.capacity
             if bound is not None and self._active + len(streams) > bound:
                 raise QueueFullError(f"{self._active} requests are running or waiting, the "
                                      f"engine takes {bound} (max_running "
@@ -219,6 +234,14 @@ class BatchEngine:
             return self._grammars
 
     @property
+    def capacity(self) -> int | None:
+        """The most requests (continuations) running and waiting at once: ``max_running +
+        max_waiting``, or None for no bound."""
+        if self.max_waiting is None:
+            return None
+        return self.scheduler.max_running + self.max_waiting
+
+    @property
     def alive(self) -> bool:
         """The engine takes and runs requests (not closed, its thread running)."""
         return not self._closed and self._thread.is_alive()
@@ -236,9 +259,23 @@ class BatchEngine:
                 "prefix_cache": cache.stats() if cache is not None else None}
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], **options) -> list[str]:
-        """Submit every prompt (the same options for each) and return their completions."""
-        streams = [self.submit(p, **options) for p in prompts]
-        return [s.text() for s in streams]
+        """Submit every prompt (the same options for each) and return their completions.  A
+        prompt refused at submission cancels those already submitted before the error is
+        raised, so nothing keeps running for a result no one receives."""
+        streams: list[RequestStream] = []
+        try:
+            for p in prompts:
+                streams.append(self.submit(p, **options))
+            return [s.text() for s in streams]
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+
+    def cancel_all(self) -> None:
+        """End every running and waiting request at the engine's next step (finish_reason
+        "cancelled"); the engine goes on taking requests (a server draining for shutdown)."""
+        self._inbox.put(("cancel_all", None))
 
     def close(self) -> None:
         """Cancel what runs, stop the engine's thread and free every block."""
@@ -277,6 +314,10 @@ class BatchEngine:
                 elif kind == "cancel" and not stream.request.finished:
                     sched.cancel(stream.request)
                     self._retire(stream.request)
+                elif kind == "cancel_all":
+                    for req in list(sched.running) + list(sched.waiting):
+                        sched.cancel(req)
+                        self._retire(req)
                 continue  # drain the inbox before stepping
             try:
                 produced = sched.step()
@@ -287,9 +328,15 @@ class BatchEngine:
             # decode row): each is pushed before any stream closes
             for req, token in produced:
                 stream = self._streams.get(req.id)
-                if stream is not None and stream._push(token) and not req.finished:
+                if stream is None:
+                    continue
+                if stream._push(token) and not req.finished:
                     sched.cancel(req)
                     req.finish_reason = "stop"
+                if stream._listener_error is not None:
+                    if not req.finished:
+                        sched.cancel(req)
+                    self._retire(req, stream._listener_error)
             for req in dict.fromkeys(req for req, _ in produced if req.finished):
                 self._retire(req)
             for req in sched.failed:

@@ -84,6 +84,10 @@ class QueueFullError(PagedDecodeError):
     once some finish (an HTTP server answers 429 with ``Retry-After``)."""
 
 
+class EngineStoppedError(PagedDecodeError):
+    """The batching engine is closed, or its thread stopped: load a new engine."""
+
+
 class GrammarError(InputError):
     """A structured-output constraint (JSON schema, grammar) is invalid or cannot be built for
     this tokenizer."""

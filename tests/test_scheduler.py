@@ -10,7 +10,7 @@ import pytest
 
 from paged_decode.runtime.batch_engine import BatchEngine, RequestStream
 from paged_decode.runtime.engine import Engine
-from paged_decode.runtime.errors import CapacityError, InputError
+from paged_decode.runtime.errors import CapacityError, EngineStoppedError, InputError
 from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.sampling import SamplingParams
 from paged_decode.runtime.scheduler import Scheduler
@@ -253,7 +253,7 @@ def test_a_stream_has_ended_before_stats_stop_counting_it(engines, monkeypatch):
 
 def test_bad_submissions_raise_before_queueing(engines):
     batch, _ = engines
-    for kwargs, match in ((dict(max_new_tokens=0), "max_tokens"),
+    for kwargs, match in ((dict(max_new_tokens=0), "max_new_tokens=0"),
                           (dict(stop="x"), "stop="),
                           (dict(max_new_tokens=500), "KV slots")):
         with pytest.raises(InputError, match=match):
@@ -313,6 +313,80 @@ def test_run_prints_n_samples(artifact_root):
         "--temperature", "0.8", "--seed", "1"])
     assert result.exit_code == 0, result.output
     assert [f"--- sample {i} of 3 ---" in result.output for i in (1, 2, 3)] == [True] * 3
+
+
+def _text_within(stream, seconds: float = 60) -> str | None:
+    """The stream's whole text, or None if it has not ended within ``seconds``."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(stream.text()), daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0] if out else None
+
+
+def test_a_raising_listener_ends_its_own_request_only(engines):
+    batch, solo = engines
+    calls: list = []
+
+    def bad(stream, delta):
+        calls.append(delta)
+        raise RuntimeError("listener failed")
+
+    other = batch.submit("paged", max_new_tokens=8)
+    failed = batch.submit("hello", max_new_tokens=30, listener=bad)
+    want = "".join(solo.stream_text("paged", max_new_tokens=8))
+    assert _text_within(other) == want
+    assert _text_within(batch.submit("paged", max_new_tokens=8)) == want  # the engine goes on
+    assert batch.alive and len(calls) == 1  # not called again once it raised
+    assert failed.finish_reason == "error" and isinstance(failed.error, RuntimeError)
+    assert _all_free(batch.scheduler)
+
+
+def test_a_group_larger_than_the_engine_holds_is_refused_not_queued(build):
+    prepared = build("tiny", **OPTS)
+    with BatchEngine.load(prepared.artifact_dir, prepared.weights_dir, max_running=1,
+                          max_waiting=1) as batch:
+        assert batch.capacity == 2
+        with pytest.raises(InputError, match=r"n=3: .* at most 2"):
+            batch.submit_n("hello", 3, max_new_tokens=2)
+        assert batch.stats()["running"] + batch.stats()["waiting"] == 0
+        pair = batch.submit_n("hello", 2, max_new_tokens=2)  # as many as it holds: taken
+        assert [_text_within(s) is not None for s in pair] == [True, True]
+        assert [s.finish_reason for s in pair] == ["length", "length"]
+    with pytest.raises(EngineStoppedError, match="closed"):
+        batch.submit("hello", max_new_tokens=2)
+
+
+def test_generate_many_refused_midway_cancels_what_it_submitted(engines, monkeypatch):
+    batch, _ = engines
+    submitted: list = []
+    real = batch.submit
+
+    def recording(*args, **kwargs):
+        submitted.append(real(*args, **kwargs))
+        return submitted[-1]
+
+    monkeypatch.setattr(batch, "submit", recording)
+    with pytest.raises(CapacityError):
+        batch.generate_many(["hello", "x" * 300], max_new_tokens=40)
+    assert len(submitted) == 1 and _text_within(submitted[0]) is not None
+    assert submitted[0].finish_reason == "cancelled"
+    assert _all_free(batch.scheduler)
+
+
+def test_cancel_all_ends_every_request_and_the_engine_goes_on(engines, monkeypatch):
+    batch, solo = engines
+    gate = threading.Event()
+    real = batch.scheduler.step
+    monkeypatch.setattr(batch.scheduler, "step", lambda: (gate.wait(60), real())[1])
+    streams = [batch.submit(p, max_new_tokens=40) for p in PROMPTS[:3]]
+    batch.cancel_all()
+    gate.set()
+    assert all(_text_within(s) is not None for s in streams)
+    assert [s.finish_reason for s in streams] == ["cancelled"] * 3
+    want = "".join(solo.stream_text("paged", max_new_tokens=8))
+    assert batch.generate_many(["paged"], max_new_tokens=8) == [want]
+    assert _all_free(batch.scheduler)
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engines, monkeypatch):
