@@ -38,6 +38,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._bytes_of = None  # token id -> bytes, built at first use (token_bytes)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -95,6 +96,16 @@ class Tokenizer:
         """The vocabulary string of one id (None for None)."""
         return None if token_id is None else self.backend.id_to_token(int(token_id))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: what it adds to the UTF-8 text, even when that is
+        part of a character (an emoji split over tokens: ``decode`` of the one token gives
+        U+FFFD there).  Byte-level BPE maps its symbols back to bytes; a byte-fallback
+        vocabulary's ``<0xNN>`` is byte NN, its other tokens their text ("▁" a space);
+        special tokens, and any other decoder, their decoded text."""
+        if self._bytes_of is None:
+            self._bytes_of = _token_bytes_function(self.backend)
+        return self._bytes_of(int(token_id))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template.
 
@@ -143,6 +154,56 @@ class Tokenizer:
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
+
+
+def _byte_level_symbols() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in of each byte (GPT-2's table), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def _token_bytes_function(backend: tokenizers.Tokenizer):
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {d.get("type") for d in parts}
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+
+    def plain(i: int) -> bytes:
+        return backend.decode([i], skip_special_tokens=False).encode("utf-8")
+
+    if "ByteLevel" in kinds:
+        table = _byte_level_symbols()
+
+        def byte_level(i: int) -> bytes:
+            piece = backend.id_to_token(i)
+            if i in special or piece is None or any(c not in table for c in piece):
+                return plain(i)
+            return bytes(table[c] for c in piece)
+
+        return byte_level
+    if "ByteFallback" in kinds or "Metaspace" in kinds:
+        spaces = [(d["pattern"].get("String"), d["content"]) for d in parts
+                  if d.get("type") == "Replace" and d.get("pattern", {}).get("String")]
+        if "Metaspace" in kinds:
+            spaces.append(("\u2581", " "))
+
+        def byte_fallback(i: int) -> bytes:
+            piece = backend.id_to_token(i)
+            if i in special or piece is None:
+                return plain(i)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            for old, new in spaces:
+                piece = piece.replace(old, new)
+            return piece.encode("utf-8")
+
+        return byte_fallback
+    return plain
 
 
 def check_text(text: str, what: str) -> None:

@@ -88,15 +88,42 @@ def build_app(artifact_dir, weights_dir, model_name: str, *, api_key: str | None
     return create_app(engine, model_name, api_key=api_key, owns_engine=True)
 
 
+# after the shutdown timeout the requests left are aborted (each response still completes with
+# finish_reason "abort" and, streaming, data: [DONE]); uvicorn cuts connections only this much
+# later, for a handler that has not finished by then
+ABORT_GRACE_S = 5.0
+
+
+def draining_server(config, abort_all, shutdown_timeout: float):
+    """A ``uvicorn.Server`` whose shutdown lets running requests finish for
+    ``shutdown_timeout`` seconds, then calls ``abort_all()`` and lets the handlers write their
+    ends; ``config.timeout_graceful_shutdown`` is set ``ABORT_GRACE_S`` past it."""
+    import asyncio
+
+    import uvicorn
+
+    config.timeout_graceful_shutdown = shutdown_timeout + ABORT_GRACE_S
+
+    class _Draining(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return _Draining(config)
+
+
 def run_server(app, host: str, port: int, *, shutdown_timeout: float,
                log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM: stop accepting, let running requests finish for up to
-    ``shutdown_timeout`` seconds, cancel the rest, close the engine, return."""
+    ``shutdown_timeout`` seconds, abort the rest (finish_reason "abort"), close the engine,
+    return."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+    server = draining_server(config, app.state.server.abort_all, shutdown_timeout)
     # uvicorn raises the signal it caught again once it has shut down; a no-op handler in
     # place of the default makes that a normal return (exit status 0) instead of a kill
     previous = {sig: signal.signal(sig, lambda *_: None)

@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from paged_decode.runtime.errors import (CapacityError, GrammarError, InputError,
-                                         PagedDecodeError, QueueFullError)
+from paged_decode.runtime.errors import (CapacityError, EngineStoppedError, GrammarError,
+                                         InputError, PagedDecodeError, QueueFullError)
 from paged_decode.runtime.sampling import SamplingParams
 
 from .metrics import Metrics
@@ -233,6 +233,12 @@ class _Server:
             except RuntimeError:  # the loop closed under a request cut by shutdown
                 pass
 
+        total, cap = len(job["prompts"]) * job["n"], self.engine.capacity
+        if cap is not None and total > cap:  # refused whole: no retry could admit it
+            param = "n" if job["n"] > 1 else "prompt"
+            raise APIError(400, f"{param}: {len(job['prompts'])} prompt(s) x n={job['n']} = "
+                           f"{total} sequences, and this server holds at most {cap} at once "
+                           "(--max-running + --max-waiting); send fewer", param)
         grammar = job["grammar"]  # copied before the first submission can advance it
         grammars = [grammar] + [None if grammar is None else grammar.copy()
                                 for _ in job["prompts"][1:]]
@@ -251,10 +257,18 @@ class _Server:
         except CapacityError as e:
             self._cancel(streams)
             raise APIError(400, str(e), "max_tokens") from e
+        except EngineStoppedError as e:  # closing, or its thread failed: /health says 503 too
+            self._cancel(streams)
+            raise APIError(503, str(e), kind="server_error") from e
         except PagedDecodeError as e:  # a token id outside the vocabulary, say
             self._cancel(streams)
             raise APIError(400, str(e), "messages" if job["chat"] else "prompt") from e
         return streams
+
+    def abort_all(self) -> None:
+        """End every request now (finish_reason "abort"): each response still completes, with
+        its text so far (a shutdown past its grace period)."""
+        self.engine.cancel_all()
 
     @staticmethod
     def _cancel(streams) -> None:

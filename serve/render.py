@@ -40,8 +40,8 @@ def usage(job: dict, choices: list[Choice]) -> dict:
 
 
 def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
-    text = tokenizer.decode([token_id])
-    return text, list(text.encode("utf-8"))
+    """A token's text (U+FFFD where it holds part of a character) and its own bytes."""
+    return tokenizer.decode([token_id]), list(tokenizer.token_bytes(token_id))
 
 
 def chat_logprobs(entries, tokenizer) -> dict:
@@ -57,15 +57,18 @@ def chat_logprobs(entries, tokenizer) -> dict:
 
 
 def completion_logprobs(entries, tokenizer, offset: int) -> dict:
-    """The legacy completions layout; ``offset``: where the first token's text starts."""
+    """The legacy completions layout; ``offset``: where the first token's text starts.  A
+    token's ``text_offset`` is the character its bytes begin in: the characters its earlier
+    tokens' bytes complete (the second half of a split emoji starts where the emoji does)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    done = b""
     for e in entries:
-        text, _ = _token(tokenizer, e.token)
+        text, raw = _token(tokenizer, e.token)
         out["tokens"].append(text)
         out["token_logprobs"].append(e.logprob)
         out["top_logprobs"].append({_token(tokenizer, t)[0]: lp for t, lp in e.top})
-        out["text_offset"].append(offset)
-        offset += len(text)
+        out["text_offset"].append(offset + len(done.decode("utf-8", errors="ignore")))
+        done += bytes(raw)
     return out
 
 

@@ -28,7 +28,9 @@ from paged_decode.runtime.engine import Engine
 from paged_decode.runtime.kv_pool import PagedKVCache
 from paged_decode.runtime.sampling import SamplingParams
 from paged_decode.runtime.session import PagedDecodeSession
+from paged_decode.serve import draining_server
 from paged_decode.serve.app import create_app
+from paged_decode.serve.render import completion_logprobs
 
 from .conftest import BUCKETS, CHAT_TEMPLATE, LOGIT_TOL
 
@@ -386,6 +388,83 @@ def test_a_full_queue_answers_429_with_retry_after(build):
         served.close()
 
 
+def test_more_sequences_than_the_server_holds_is_a_400_not_a_429(build):
+    """n continuations of each prompt past max_running + max_waiting can never be admitted:
+    refused with the parameter to change, not answered "retry" on an idle server."""
+    served = Served(build("tiny", **OPTS), "tiny", max_running=1, max_waiting=1)
+    try:
+        for body, param in ((dict(prompt="a", n=3), "n"), (dict(prompt=["a", "b", "c"]), "prompt")):
+            with pytest.raises(openai.BadRequestError) as err:
+                served.client.completions.create(model="tiny", max_tokens=2, **body)
+            assert err.value.body["param"] == param and "at most 2" in err.value.body["message"]
+        ok = served.client.completions.create(model="tiny", prompt="a", max_tokens=2, n=2)
+        assert [c.finish_reason for c in ok.choices] == ["length", "length"]
+        assert served.all_free()
+    finally:
+        served.close()
+
+
+def test_requests_left_at_the_shutdown_timeout_end_with_abort(build):
+    """Past --shutdown-timeout the running requests are aborted: a stream ends with an "abort"
+    chunk and [DONE], a whole response comes back with finish_reason "abort"."""
+    prepared = build("tiny", **OPTS)
+    engine = BatchEngine.load(prepared.artifact_dir, prepared.weights_dir)
+    real = engine.scheduler.session.step
+    engine.scheduler.session.step = lambda *a: (time.sleep(0.05), real(*a))[1]
+    app = create_app(engine, "tiny", owns_engine=True)
+    server = draining_server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
+                             app.state.server.abort_all, shutdown_timeout=0.3)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=WAIT_S)
+        whole: list = []
+        other = threading.Thread(target=lambda: whole.append(client.completions.create(
+            model="tiny", prompt="b", max_tokens=55)))
+        other.start()
+        chunks = iter(client.completions.create(model="tiny", prompt="a", max_tokens=55,
+                                                stream=True))
+        first = next(chunks)
+        while engine.stats()["running"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.should_exit = True
+        rest = list(chunks)  # raises if the stream is cut instead of ended
+        other.join(WAIT_S)
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and not engine.alive  # the app closed its engine
+        assert rest[-1].choices[0].finish_reason == "abort"
+        text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
+        assert 0 < len(engine.tokenizer.encode(text, add_bos=False)) < 55
+        assert len(whole) == 1 and whole[0].choices[0].finish_reason == "abort"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        engine.close()
+
+
+def test_token_bytes_rebuild_text_that_splits_characters(tiny):
+    tok = tiny.engine.tokenizer
+    text = "a\u00e9\U0001F600b \u4e2d\u6587"  # one to four bytes a character
+    ids = tok.encode(text, add_bos=False)
+    assert len(ids) > len(text)  # the byte tokenizer splits the characters
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_completion_text_offsets_count_characters_not_token_pieces(tiny):
+    tok = tiny.engine.tokenizer
+    ids = tok.encode("a\U0001F600b", add_bos=False)  # a, the emoji's four bytes, b
+    entries = [type("E", (), {"token": i, "logprob": -1.0, "top": ()})() for i in ids]
+    out = completion_logprobs(entries, tok, offset=10)
+    assert out["text_offset"] == [10, 11, 11, 11, 11, 12]
+
+
 BAD = [  # (body changes, the param the error names)
     ({"model": "nope"}, "model"),
     ({"temperature": 2.5}, "temperature"),
@@ -579,17 +658,15 @@ def test_sigterm_during_a_stream_exits_cleanly(build, artifact_root, grace):
         pieces = iter(stream)
         next(pieces)
         proc.send_signal(signal.SIGTERM)
-        try:
-            received = [c for c in pieces]
-        except openai.APIError:  # cut by the shutdown: allowed, the process must still exit
-            received = None
+        received = [c for c in pieces]  # ended, never cut: "abort" past the timeout
         out, err = proc.communicate(timeout=WAIT_S)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "Traceback" not in out, err
-    if grace == "30":  # time to finish: the stream ran to its end
-        assert received is not None and received[-1].choices[0].finish_reason == "length"
+    reason = received[-1].choices[0].finish_reason
+    # time to finish: the stream ran to its end; none: aborted, unless it had already ended
+    assert reason == "length" if grace == "30" else reason in ("abort", "length")
 
 
 def _template_file(root) -> str:

@@ -153,3 +153,29 @@ def test_valid_prompts_still_encode(tok):
     assert tok.encode("hello world") == [0, 2, 3]
     assert tok.encode("héllo 🙂", add_bos=False) == [1, 1]  # unknown words
     assert tok.apply_chat_template([{"role": "user", "content": "the fox"}]) == "the fox"
+
+
+def _byte_fallback_backend():
+    """A SentencePiece-style vocabulary (Llama 2's kind): "▁" for spaces, ``<0xNN>`` for bytes
+    of characters it does not hold."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("\u2581", "a", "b", "\u2581a", "\u00e9"):
+        vocab[piece] = len(vocab)
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                     prepend_scheme="never")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                         decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def test_token_bytes_of_a_byte_fallback_vocabulary():
+    tok = Tokenizer(_byte_fallback_backend(), None, [], False, None)
+    text = "ab a\u00e9 \U0001F600\u4e2d"
+    ids = tok.encode(text)
+    assert any(tok.token(i).startswith("<0x") for i in ids)  # the emoji went to bytes
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert tok.token_bytes(0) == tok.decode([0]).encode("utf-8")  # <unk>: its text
