@@ -223,6 +223,12 @@ def read_manifest(path: str | Path) -> tuple[Manifest, str]:
     """The manifest of the artifact folder ``path``, its versions and digest verified against
     this runtime, and the hint that rebuilds it (for errors found later)."""
     path = Path(path)
+    if not path.is_dir():
+        raise ArtifactError(f"{path}: no such artifact folder; pass the folder paged-compile "
+                            "printed ('artifact:', or prepare(...).artifact_dir)")
+    if not (path / "manifest.json").exists() and (path / "weights.json").is_file():
+        raise ArtifactError(f"{path} is a weight pack, not an artifact folder: pass the "
+                            "artifact folder first and the weight pack second")
     manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
     verify_manifest(manifest, path)
     hint = _rebuild_hint(manifest, path)
@@ -295,6 +301,9 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     mixed = m.key.get("weight_formats") if isinstance(m.key, dict) else None
     hint = ("convert the weights again with "
             f"`{_pack_command(model, weight_policy(m.weight_dtype, mixed, model), path)}`")
+    if not path.is_dir():
+        raise WeightsError(f"{path}: no such weight pack folder; pass the one paged-compile "
+                           "printed ('weights:', or prepare(...).weights_dir)")
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if isinstance(meta.get("model_arg"), str) and isinstance(meta.get("weight_dtype"), str):
         policy = weight_policy(meta["weight_dtype"], meta.get("weight_formats"),

@@ -293,7 +293,11 @@ class BatchEngine:
     def _encode(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt, chat)
-        return list(prompt)
+        try:
+            return list(prompt)
+        except TypeError:
+            raise InputError(f"prompt must be text or a list of token ids, got "
+                             f"{type(prompt).__name__}") from None
 
     # the engine's thread ----------------------------------------------------------------------
     def _loop(self) -> None:

@@ -410,7 +410,8 @@ class SessionHandle:
                 raise CapacityError(
                     f"sequence {self.seq_id}: {self._length} + {n_tokens} = {target} tokens exceed "
                     f"max_tokens={max_tokens}, the artifact's max_blocks_cap * block_size; truncate "
-                    "the sequence or compile with a larger max_blocks_cap")
+                    "the sequence or compile with a larger max_blocks_cap (paged-compile "
+                    "--max-context)")
             if n_tokens == 0:
                 return
             bs, held = self._pool.block_size, len(self._blocks)
@@ -481,7 +482,7 @@ class SessionHandle:
                 raise CapacityError(
                     f"sequence {self.seq_id}: {n} blocks do not fit a block table of {cap} entries "
                     "(the artifact's max_blocks_cap); truncate the sequence or compile with a "
-                    "larger max_blocks_cap")
+                    "larger max_blocks_cap (paged-compile --max-context)")
             out[0, :n] = self._blocks
             out[0, n:] = 0
 

@@ -112,7 +112,9 @@ class Tokenizer:
         Encode the result with ``add_bos=False`` when the template writes the BOS itself.
         """
         if self.chat_template is None:
-            raise InputError("this model has no chat template; pass a plain prompt instead")
+            raise InputError("this model has no chat template: give a plain prompt (without "
+                             "--chat / chat=True), or a template (--chat-template FILE, "
+                             "Tokenizer.set_chat_template)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m
                                                      for m in messages):
             raise InputError("messages must be a list of {'role', 'content'} dicts, "
@@ -210,6 +212,8 @@ def check_text(text: str, what: str) -> None:
     """InputError unless ``text`` is valid Unicode text, i.e. encodes as UTF-8: a lone surrogate
     ("\\ud800"), or a byte of invalid UTF-8 that Python kept as a surrogate escape (a shell
     argument in another encoding), names its position."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be text (a str), got {type(text).__name__}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

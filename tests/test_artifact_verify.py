@@ -147,6 +147,17 @@ def test_weights_json_missing_is_a_weights_error(built, tmp_path):
         load_weights(pack, artifact)
 
 
+def test_wrong_folders_say_which_folder_is_wanted(built, tmp_path):
+    from paged_decode.runtime.errors import WeightsError
+
+    with pytest.raises(ArtifactError, match=r"nope: no such artifact folder; pass the folder"):
+        load_artifact(tmp_path / "nope")
+    with pytest.raises(ArtifactError, match=r"is a weight pack, not an artifact folder"):
+        load_artifact(built.weights_dir)  # the two paths swapped
+    with pytest.raises(WeightsError, match=r"nope: no such weight pack folder"):
+        load_weights(tmp_path / "nope", load_artifact(built.artifact_dir))
+
+
 # -- cache policies ------------------------------------------------------------------------------
 
 @pytest.fixture

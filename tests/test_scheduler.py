@@ -252,7 +252,7 @@ def test_a_stream_has_ended_before_stats_stop_counting_it(engines, monkeypatch):
 
 
 def test_bad_submissions_raise_before_queueing(engines):
-    batch, _ = engines
+    batch, solo = engines
     for kwargs, match in ((dict(max_new_tokens=0), "max_new_tokens=0"),
                           (dict(stop="x"), "stop="),
                           (dict(max_new_tokens=500), "KV slots")):
@@ -260,6 +260,10 @@ def test_bad_submissions_raise_before_queueing(engines):
             batch.submit("hello", **kwargs)
     with pytest.raises(InputError, match="not valid text"):
         batch.submit("\ud800")
+    with pytest.raises(InputError, match="text or a list of token ids, got NoneType"):
+        batch.submit(None)
+    with pytest.raises(InputError, match="must be text .* got NoneType"):
+        next(solo.stream_text(None))
 
 
 def test_forks_share_the_prompt_and_each_equals_its_seeded_solo_run(tiny):
