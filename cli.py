@@ -175,6 +175,11 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **
                          "tokens to generate)")
     if not prompt and not chat:
         raise InputError("--prompt is empty: pass the text to continue")
+    idle = [f for f, on in (("--top-p", top_p != 1.0), ("--top-k", top_k != 0),
+                            ("--seed", seed is not None)) if on]
+    if temperature == 0 and idle:
+        _progress(f"warning: {', '.join(idle)} change nothing at --temperature 0 (greedy); "
+                  "give a temperature above 0 to sample")
     prepared, _ = _prepare(**opts)
     if n > 1:
         return _run_many(prepared, prompt, chat, n, max_new_tokens, sampling,

@@ -60,6 +60,11 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
         if first.get("type") == "json_invalid":
             return server.error_response(request, APIError(
                 400, f"the request body is not valid JSON ({first.get('msg')})"))
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if tuple(first.get("loc", ())) == ("body",) and kind != "application/json":
+            return server.error_response(request, APIError(
+                400, f"the request body must be JSON sent with 'Content-Type: "
+                f"application/json' (got {kind or 'no Content-Type'!r})"))
         param = param_of(tuple(first.get("loc", ("body",))))
         return server.error_response(request, APIError(400, f"{param}: {first.get('msg')}",
                                                        param))
@@ -131,9 +136,13 @@ class _Server:
             raise APIError(400, "prompt is empty: pass a string or token ids", "prompt")
         tok = self.engine.tokenizer
         try:
-            return [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
+            out = [tok.encode(x) if isinstance(x, str) else list(x) for x in p]
         except InputError as e:
             raise APIError(400, f"prompt: {e}", "prompt") from e
+        if any(not ids for ids in out):
+            raise APIError(400, "prompt: an empty prompt, and this model adds no BOS token to "
+                           "start from; pass some text", "prompt")
+        return out
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         self.check_common(body)
@@ -176,6 +185,8 @@ class _Server:
             if body.max_completion_tokens is not None:
                 field = "max_completion_tokens"
             max_tokens = body.max_completion_tokens or body.max_tokens
+            if body.top_logprobs is not None and not body.logprobs:
+                raise APIError(400, "top_logprobs: needs \"logprobs\": true", "top_logprobs")
             top = (body.top_logprobs or 0) if body.logprobs else None
         else:
             max_tokens, top = body.max_tokens, body.logprobs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from paged_decode.runtime.scheduler import MAX_TOP_LOGPROBS
 
@@ -54,8 +54,8 @@ class SamplingBody(_Body):
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1  # an extension (vLLM's): -1 or 0 keeps all
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
@@ -63,8 +63,8 @@ class SamplingBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -96,6 +96,12 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -64,6 +64,16 @@ def test_run_tiny_streams_and_reports_speed(runner, artifact_root):
     assert "warning" not in result.output
 
 
+def test_run_warns_of_sampling_options_greedy_decoding_ignores(runner, artifact_root):
+    args = ["--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+            str(artifact_root), "--prompt", "hello", "--max-new-tokens", "4"]
+    greedy = runner.invoke(run_cmd, args + ["--seed", "7", "--top-k", "40"])
+    assert greedy.exit_code == 0, greedy.output
+    assert "warning: --top-k, --seed change nothing at --temperature 0" in greedy.output
+    sampled = runner.invoke(run_cmd, args + ["--seed", "7", "--temperature", "0.8"])
+    assert sampled.exit_code == 0 and "warning" not in sampled.output, sampled.output
+
+
 def test_run_encodes_the_prompt_once(runner, artifact_root, monkeypatch):
     """paged-run encodes the prompt once, for the capacity check and the generation both; the
     generation streams the same text as ``Engine.stream_text`` on the same prompt."""

@@ -477,6 +477,7 @@ BAD = [  # (body changes, the param the error names)
     ({"max_tokens": 500}, "max_tokens"),
     ({"prompt": "hello " * 80}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": ""}, "prompt"),  # no tokens: the tiny model adds no BOS
     ({"prompt": [1, 99999]}, "prompt"),
     ({"stop": ["ok", 3]}, "stop[1]"),
     ({"stop": [""]}, "stop"),
@@ -516,12 +517,34 @@ HI = [{"role": "user", "content": "hi"}]
     (HI, {"max_tokens": 500}, "max_tokens"),
     (HI, {"max_completion_tokens": 500}, "max_completion_tokens"),
     (HI, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    (HI, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ([{"role": "user"}], {}, "messages[0]"),  # no content
 ])
 def test_bad_chat_requests_are_400_naming_the_field(tiny, messages, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         tiny.client.chat.completions.create(model="tiny", messages=messages,
                                             **({"max_tokens": 4} | extra))
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_a_body_without_its_json_content_type_is_named(tiny):
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions", '{"model": "tiny", "prompt": "hi"}')
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 400 and "Content-Type: application/json" in body["error"]["message"]
+
+
+def test_nan_temperature_is_named_as_not_a_number(tiny):
+    """Python's json (the openai client refuses NaN) writes it bare, as some clients do."""
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions",
+                 '{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400 and error["param"] == "temperature", error
+    assert "finite" in error["message"], error
 
 
 def test_bad_json_is_a_400_with_an_openai_error_body(tiny):
