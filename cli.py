@@ -277,11 +277,16 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
               max_waiting, prefill_budget, kv_cache_gb, shutdown_timeout, log_level, **opts):
     """Serve the model over HTTP with the OpenAI API (completions, chat, streaming)."""
     from paged_decode.runtime.errors import ConfigError
-    from paged_decode.serve import check_bind, load_engine, run_server
+    from paged_decode.serve import check_bind, load_engine, read_chat_template, run_server
     from paged_decode.serve.app import create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     check_bind(host, api_key, allow_remote)  # before any compile
+    if opts["batch_buckets"] == ():
+        raise ConfigError("paged-serve needs batch buckets: leave --batch-buckets out (the "
+                          "CPU's default is 2,4,8,16,32) or name some")
+    if chat_template is not None:
+        read_chat_template(chat_template)
     prepared, _ = _prepare(**opts)
     if not prepared.manifest.batch_buckets:
         raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "

@@ -138,11 +138,7 @@ class Tokenizer:
     def set_chat_template(self, source: str) -> None:
         """Use ``source`` (a Jinja chat template, as in tokenizer_config.json) from now on;
         one that does not parse is an :class:`InputError`."""
-        try:
-            template = _compile_template(source)
-        except ArtifactError as e:
-            raise InputError(f"the chat template does not parse: {e.__cause__}") from e
-        self.chat_template, self._template = source, template
+        self._template, self.chat_template = check_chat_template(source), source
 
     def encode_prompt(self, prompt: str, chat: bool = False, what: str = "the prompt"
                       ) -> list[int]:
@@ -156,6 +152,14 @@ class Tokenizer:
 
     def stream(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
+
+
+def check_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled; a template that does not parse is an :class:`InputError`."""
+    try:
+        return _compile_template(source)
+    except ArtifactError as e:
+        raise InputError(f"the chat template does not parse: {e.__cause__}") from e
 
 
 def _byte_level_symbols() -> dict[str, int]:

@@ -59,19 +59,41 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
     from paged_decode.runtime.artifact import read_manifest
     from paged_decode.runtime.batch_engine import BatchEngine
 
+    from paged_decode.runtime.kv_pool import PoolConfigError
+
+    template = None if chat_template is None else read_chat_template(chat_template)
     manifest, _ = read_manifest(artifact_dir)  # BatchEngine.load loads the library itself
     running = max_running or max(manifest.batch_buckets, default=1)
     pool = ({"memory_budget_bytes": int(kv_cache_gb * 1e9)} if kv_cache_gb is not None
             else {"num_blocks": default_num_blocks(manifest, running)})
-    engine = BatchEngine.load(artifact_dir, weights_dir, max_running=running,
-                              max_waiting=max_waiting, prefill_budget=prefill_budget, **pool)
-    if chat_template is not None:
-        try:
-            engine.tokenizer.set_chat_template(Path(chat_template).read_text())
-        except (OSError, UnicodeDecodeError) as e:
-            engine.close()
-            raise ConfigError(f"--chat-template {chat_template}: cannot read it ({e})") from e
+    try:
+        engine = BatchEngine.load(artifact_dir, weights_dir, max_running=running,
+                                  max_waiting=max_waiting, prefill_budget=prefill_budget, **pool)
+    except PoolConfigError as e:
+        if kv_cache_gb is None:
+            raise
+        raise PoolConfigError(f"--kv-cache-gb {kv_cache_gb:g}: {e}; give more, or build with "
+                              "a smaller --block-size") from e
+    if template is not None:
+        engine.tokenizer.set_chat_template(template)
     return engine
+
+
+def read_chat_template(path) -> str:
+    """The Jinja chat template in the file ``path``, checked to parse (``ConfigError`` naming
+    the file otherwise), before anything is compiled or loaded."""
+    from paged_decode.runtime.errors import InputError
+    from paged_decode.runtime.tokenizer import check_chat_template
+
+    try:
+        source = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({e})") from e
+    try:
+        check_chat_template(source)
+    except InputError as e:
+        raise ConfigError(f"--chat-template {path}: {e}") from e
+    return source
 
 
 def build_app(artifact_dir, weights_dir, model_name: str, *, api_key: str | None = None,

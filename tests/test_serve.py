@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -646,6 +647,30 @@ def test_serve_refuses_a_remote_address_without_a_key(tmp_path):
                                             "--artifacts", str(tmp_path)])
     assert result.exit_code == 1 and "--api-key" in result.output
     assert not any(tmp_path.iterdir())  # refused before any compile
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-buckets", "none"], "paged-serve needs batch buckets"),
+    (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: cannot read"),
+    (["--chat-template", "BROKEN"], r"broken\.jinja: the chat template does not parse"),
+])
+def test_serve_refuses_bad_options_before_compiling(tmp_path, args, message):
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    root = tmp_path / "artifacts"
+    args = [str(broken) if a == "BROKEN" else a for a in args]
+    result = CliRunner().invoke(serve_cmd, ["--model", "tiny", "--artifacts", str(root)] + args)
+    assert result.exit_code == 1 and re.search(message, result.output), result.output
+    assert not root.exists() or not any(root.iterdir())  # refused before any compile
+
+
+def test_a_kv_cache_too_small_for_one_block_names_the_option(build, artifact_root):
+    build("tiny", **OPTS)  # found cached below; the pool is refused before serving starts
+    result = CliRunner().invoke(serve_cmd, [
+        "--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+        str(artifact_root), "--kv-cache-gb", "0.000000001"])
+    assert result.exit_code == 1, result.output
+    assert "--kv-cache-gb 1e-09: " in result.output and "--block-size" in result.output
 
 
 def _free_port() -> int:
