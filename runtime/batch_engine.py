@@ -195,8 +195,8 @@ class BatchEngine:
         (:class:`Delta`); ``constraint``: a grammar (``self.grammars.json_schema(...)``);
         ``listener``: receives the pieces instead of the streams' iterators."""
         if not self.alive:
-            raise EngineStoppedError("the engine is closed" if self._closed else
-                                     "the engine's thread has stopped")
+            raise EngineStoppedError(("the engine is closed" if self._closed else
+                                      "the engine's thread has stopped") + "; load a new one")
         if not (is_int(max_new_tokens) and max_new_tokens >= 1):
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
