@@ -229,6 +229,12 @@ def read_manifest(path: str | Path) -> tuple[Manifest, str]:
     if not (path / "manifest.json").exists() and (path / "weights.json").is_file():
         raise ArtifactError(f"{path} is a weight pack, not an artifact folder: pass the "
                             "artifact folder first and the weight pack second")
+    if not (path / "manifest.json").exists() and not any(path.glob("*.so")):
+        held = sorted(p.parent.name for p in path.glob("*/manifest.json"))
+        raise ArtifactError(f"{path} is not an artifact folder (no manifest.json, no library)"
+                            + (f"; it holds artifacts: pass one, e.g. {path / held[0]}"
+                               if held else "; pass the folder paged-compile printed "
+                               "('artifact:', or prepare(...).artifact_dir)"))
     manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
     verify_manifest(manifest, path)
     hint = _rebuild_hint(manifest, path)
@@ -301,9 +307,12 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
     mixed = m.key.get("weight_formats") if isinstance(m.key, dict) else None
     hint = ("convert the weights again with "
             f"`{_pack_command(model, weight_policy(m.weight_dtype, mixed, model), path)}`")
-    if not path.is_dir():
-        raise WeightsError(f"{path}: no such weight pack folder; pass the one paged-compile "
-                           "printed ('weights:', or prepare(...).weights_dir)")
+    if not path.is_dir() or not ((path / "weights.json").exists()
+                                 or (path / "params.safetensors").exists()):
+        what = "no such weight pack folder" if not path.is_dir() else \
+            "not a weight pack folder (no weights.json, no params.safetensors)"
+        raise WeightsError(f"{path}: {what}; pass the one paged-compile printed ('weights:', "
+                           "or prepare(...).weights_dir)")
     meta = _read_json(path / "weights.json", "weights.json", hint, WeightsError)
     if isinstance(meta.get("model_arg"), str) and isinstance(meta.get("weight_dtype"), str):
         policy = weight_policy(meta["weight_dtype"], meta.get("weight_formats"),

@@ -10,6 +10,7 @@ held back until it cannot.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -94,8 +95,8 @@ class RequestStream:
         elif self._listener_error is None:
             try:
                 self._listener(self, None if item is _END else item)
-            except Exception as e:  # noqa: BLE001 - the user's code: it ends this request only
-                self._listener_error = e
+            except BaseException as e:  # noqa: BLE001 - the user's code: it ends this request
+                self._listener_error = e  # only, whatever it raised (the engine's thread lives)
 
     def _close(self, reason: str | None, error: BaseException | None = None) -> None:
         if error is None and reason != "stop":
@@ -259,16 +260,29 @@ class BatchEngine:
                 "prefix_cache": cache.stats() if cache is not None else None}
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], **options) -> list[str]:
-        """Submit every prompt (the same options for each) and return their completions.  A
-        prompt refused at submission cancels those already submitted before the error is
-        raised, so nothing keeps running for a result no one receives."""
-        streams: list[RequestStream] = []
+        """Submit every prompt (the same options for each) and return their completions.  More
+        prompts than the engine holds at once (``capacity``) go in as earlier ones finish.  A
+        prompt refused at submission cancels those still running before the error is raised,
+        so nothing keeps running for a result no one receives."""
+        texts: list[str | None] = [None] * len(prompts)
+        running: collections.deque = collections.deque()  # (index, stream), oldest first
         try:
-            for p in prompts:
-                streams.append(self.submit(p, **options))
-            return [s.text() for s in streams]
+            for i, p in enumerate(prompts):
+                while True:
+                    try:
+                        running.append((i, self.submit(p, **options)))
+                        break
+                    except QueueFullError:
+                        if not running:  # full of others' requests: nothing of ours to wait for
+                            raise
+                        j, oldest = running.popleft()
+                        texts[j] = oldest.text()
+            while running:
+                j, oldest = running.popleft()
+                texts[j] = oldest.text()
+            return texts
         except BaseException:
-            for s in streams:
+            for _, s in running:
                 s.cancel()
             raise
 

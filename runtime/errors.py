@@ -84,8 +84,9 @@ class QueueFullError(PagedDecodeError):
     once some finish (an HTTP server answers 429 with ``Retry-After``)."""
 
 
-class EngineStoppedError(PagedDecodeError):
-    """The batching engine is closed, or its thread stopped: load a new engine."""
+class EngineStoppedError(InputError):
+    """The batching engine is closed, or its thread stopped: load a new engine (an
+    :class:`InputError`, as a submission to a closed engine always was)."""
 
 
 class GrammarError(InputError):

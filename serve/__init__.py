@@ -72,8 +72,8 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
     except PoolConfigError as e:
         if kv_cache_gb is None:
             raise
-        raise PoolConfigError(f"--kv-cache-gb {kv_cache_gb:g}: {e}; give more, or build with "
-                              "a smaller --block-size") from e
+        raise PoolConfigError(f"--kv-cache-gb {kv_cache_gb:g} is too small: {e} (paged-serve "
+                              "--block-size)") from e
     if template is not None:
         engine.tokenizer.set_chat_template(template)
     return engine

@@ -66,8 +66,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
                 400, f"the request body must be JSON sent with 'Content-Type: "
                 f"application/json' (got {kind or 'no Content-Type'!r})"))
         param = param_of(tuple(first.get("loc", ("body",))))
-        return server.error_response(request, APIError(400, f"{param}: {first.get('msg')}",
-                                                       param))
+        msg = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's, for our checks
+        return server.error_response(request, APIError(400, f"{param}: {msg}", param))
 
     @app.get("/health")
     async def health():
@@ -108,6 +108,7 @@ class _Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.metrics = Metrics(engine)
         self.started = int(time.time())
+        self.aborting = False  # past the shutdown timeout: new submissions are refused
 
     # -- checks -------------------------------------------------------------------------------
     def authorize(self, request: Request) -> None:
@@ -236,6 +237,11 @@ class _Server:
             raise APIError(400, f"response_format: {e}", "response_format") from e
 
     def _submit(self, job: dict, queue: asyncio.Queue) -> list:
+        # on the event loop's thread, as abort_all: no submission slips in after the abort
+        if self.aborting:
+            raise APIError(503, "the server is shutting down; send the request again to "
+                           "another replica or once it is back", kind="server_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
         loop = asyncio.get_running_loop()
 
         def listener(stream, delta):
@@ -278,7 +284,9 @@ class _Server:
 
     def abort_all(self) -> None:
         """End every request now (finish_reason "abort"): each response still completes, with
-        its text so far (a shutdown past its grace period)."""
+        its text so far (a shutdown past its grace period); requests not yet submitted are
+        refused with a 503.  Called on the event loop's thread."""
+        self.aborting = True
         self.engine.cancel_all()
 
     @staticmethod
@@ -291,15 +299,20 @@ class _Server:
         self.metrics.observe(stream.request)
 
     async def _collect(self, request: Request, streams, ids, choices, queue) -> None:
-        """Wait for every stream of a non-streaming request; a client gone cancels them."""
-        open_ = len(streams)
+        """Wait for every stream of a non-streaming request; a client gone cancels them (looked
+        for every ``_DISCONNECT_POLL_S``, tokens flowing or not)."""
+        open_, checked = len(streams), time.monotonic()
         try:
             while open_:
                 try:
                     stream, delta = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
                 except TimeoutError:
+                    stream = delta = None
+                if time.monotonic() - checked >= _DISCONNECT_POLL_S:
                     if await request.is_disconnected():
                         return
+                    checked = time.monotonic()
+                if stream is None:
                     continue
                 choices[ids[id(stream)]].add(stream, delta)
                 if delta is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged_decode.runtime.scheduler import MAX_TOP_LOGPROBS
 
@@ -94,14 +94,15 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
-    @model_validator(mode="after")
-    def _content_unless_assistant(self):
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
-        return self
+    @field_validator("content", mode="after")
+    @classmethod
+    def _content_unless_assistant(cls, content, info):
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -14,6 +14,7 @@ class Choice:
         self.logprobs: list = []  # TokenLogprob entries, in order
         self.stream = None
         self.finish_reason: str | None = None
+        self.offsets = TextOffsets()  # where the streamed log-probability entries begin
 
     def add(self, stream, delta) -> None:
         """A piece (``delta``), or the end of the stream (``None``)."""
@@ -56,19 +57,34 @@ def chat_logprobs(entries, tokenizer) -> dict:
     return {"content": content}
 
 
-def completion_logprobs(entries, tokenizer, offset: int) -> dict:
-    """The legacy completions layout; ``offset``: where the first token's text starts.  A
-    token's ``text_offset`` is the character its bytes begin in: the characters its earlier
-    tokens' bytes complete (the second half of a split emoji starts where the emoji does)."""
+class TextOffsets:
+    """The character each of a choice's tokens begins in, token after token: the characters
+    the earlier tokens' bytes complete (the second half of a split emoji starts where the emoji
+    does), less a leading space the tokenizer's decoder strips from the text's start (a
+    SentencePiece "▁" on the first token)."""
+
+    def __init__(self):
+        self.done, self.lead, self.first = b"", 0, True
+
+    def next(self, tokenizer, token_id: int, raw: bytes) -> int:
+        if self.first:
+            self.first = False
+            text = tokenizer.decode([token_id])
+            self.lead = len(raw) - len(raw.lstrip(b" ")) - (len(text) - len(text.lstrip(" ")))
+        at = max(len(self.done.decode("utf-8", errors="ignore")) - self.lead, 0)
+        self.done += raw
+        return at
+
+
+def completion_logprobs(entries, tokenizer, offsets: TextOffsets) -> dict:
+    """The legacy completions layout; ``offsets``: the choice's, advanced past ``entries``."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    done = b""
     for e in entries:
         text, raw = _token(tokenizer, e.token)
         out["tokens"].append(text)
         out["token_logprobs"].append(e.logprob)
         out["top_logprobs"].append({_token(tokenizer, t)[0]: lp for t, lp in e.top})
-        out["text_offset"].append(offset + len(done.decode("utf-8", errors="ignore")))
-        done += bytes(raw)
+        out["text_offset"].append(offsets.next(tokenizer, e.token, bytes(raw)))
     return out
 
 
@@ -78,19 +94,19 @@ def _head(job: dict, chunk: bool) -> dict:
     return {"id": job["id"], "object": kind, "created": job["created"], "model": job["model"]}
 
 
-def _logprobs(job, entries, tokenizer, offset):
+def _logprobs(job, entries, tokenizer, offsets: TextOffsets):
     if job["top_logprobs"] is None:
         return None
     if job["chat"]:
         return chat_logprobs(entries, tokenizer)
-    return completion_logprobs(entries, tokenizer, offset)
+    return completion_logprobs(entries, tokenizer, offsets)
 
 
 def render_response(job: dict, choices: list[Choice], tokenizer) -> dict:
     out = _head(job, chunk=False)
     rows = []
     for c in choices:
-        lp = _logprobs(job, c.logprobs, tokenizer, 0)
+        lp = _logprobs(job, c.logprobs, tokenizer, TextOffsets())
         if job["chat"]:
             rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": lp, "finish_reason": c.finish_reason})
@@ -120,9 +136,8 @@ def render_chunk(job: dict, choice: Choice | None, *, tokenizer, delta=None,
         else:
             row["text"] = text
         entries = delta.logprobs if delta is not None else ()
-        offset = len(choice.text) - len(text)
-        row.update(logprobs=_logprobs(job, entries, tokenizer, offset) if entries else None,
-                   finish_reason=None)
+        row.update(logprobs=_logprobs(job, entries, tokenizer, choice.offsets) if entries
+                   else None, finish_reason=None)
     out["choices"] = [row]
     if job["include_usage"]:
         out["usage"] = None

@@ -156,6 +156,13 @@ def test_wrong_folders_say_which_folder_is_wanted(built, tmp_path):
         load_artifact(built.weights_dir)  # the two paths swapped
     with pytest.raises(WeightsError, match=r"nope: no such weight pack folder"):
         load_weights(tmp_path / "nope", load_artifact(built.artifact_dir))
+    with pytest.raises(WeightsError, match=r"not a weight pack folder"):
+        load_weights(tmp_path, load_artifact(built.artifact_dir))
+    root = built.artifact_dir.parent  # the cache root, not an artifact in it
+    with pytest.raises(ArtifactError, match=r"is not an artifact folder .* it holds artifacts"):
+        load_artifact(root)
+    with pytest.raises(ArtifactError, match=r"is not an artifact folder .* pass the folder"):
+        load_artifact(tmp_path)
 
 
 # -- cache policies ------------------------------------------------------------------------------

@@ -328,13 +328,14 @@ def _text_within(stream, seconds: float = 60) -> str | None:
     return out[0] if out else None
 
 
-def test_a_raising_listener_ends_its_own_request_only(engines):
+@pytest.mark.parametrize("raised", [RuntimeError, SystemExit])
+def test_a_raising_listener_ends_its_own_request_only(engines, raised):
     batch, solo = engines
     calls: list = []
 
     def bad(stream, delta):
         calls.append(delta)
-        raise RuntimeError("listener failed")
+        raise raised("listener failed")
 
     other = batch.submit("paged", max_new_tokens=8)
     failed = batch.submit("hello", max_new_tokens=30, listener=bad)
@@ -342,7 +343,7 @@ def test_a_raising_listener_ends_its_own_request_only(engines):
     assert _text_within(other) == want
     assert _text_within(batch.submit("paged", max_new_tokens=8)) == want  # the engine goes on
     assert batch.alive and len(calls) == 1  # not called again once it raised
-    assert failed.finish_reason == "error" and isinstance(failed.error, RuntimeError)
+    assert failed.finish_reason == "error" and isinstance(failed.error, raised)
     assert _all_free(batch.scheduler)
 
 
@@ -357,6 +358,10 @@ def test_a_group_larger_than_the_engine_holds_is_refused_not_queued(build):
         pair = batch.submit_n("hello", 2, max_new_tokens=2)  # as many as it holds: taken
         assert [_text_within(s) is not None for s in pair] == [True, True]
         assert [s.finish_reason for s in pair] == ["length", "length"]
+        # more prompts than it holds: generate_many feeds them in as earlier ones finish
+        solo = Engine.load(prepared.artifact_dir, prepared.weights_dir)
+        want = ["".join(solo.stream_text(p, max_new_tokens=6)) for p in PROMPTS]
+        assert batch.generate_many(PROMPTS, max_new_tokens=6) == want
     with pytest.raises(EngineStoppedError, match="closed"):
         batch.submit("hello", max_new_tokens=2)
 

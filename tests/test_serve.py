@@ -31,9 +31,11 @@ from paged_decode.runtime.sampling import SamplingParams
 from paged_decode.runtime.session import PagedDecodeSession
 from paged_decode.serve import draining_server
 from paged_decode.serve.app import create_app
-from paged_decode.serve.render import completion_logprobs
+from paged_decode.runtime.tokenizer import Tokenizer
+from paged_decode.serve.render import TextOffsets, completion_logprobs
 
 from .conftest import BUCKETS, CHAT_TEMPLATE, LOGIT_TOL
+from .test_tokenizer_input import byte_fallback_backend
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
 WAIT_S = 30  # the most any bounded wait below lasts
@@ -360,6 +362,25 @@ def test_a_client_that_disconnects_cancels_its_request(tiny, slow_steps, monkeyp
     assert seen[0].finish_reason == "cancelled" and len(seen[0].tokens) < 55
 
 
+def test_a_client_gone_while_tokens_flow_cancels_its_whole_response(tiny, slow_steps,
+                                                                    monkeypatch):
+    """Not streaming: the disconnect is looked for while tokens keep arriving, not only when
+    the engine is idle."""
+    seen = _recorded_streams(tiny.engine, monkeypatch)
+    conn = http.client.HTTPConnection("127.0.0.1", tiny.live.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "hello", "max_tokens": 55, "temperature": 0}),
+        {"Content-Type": "application/json"})
+    deadline = time.monotonic() + WAIT_S
+    while not seen or not seen[0].tokens:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert tiny.all_free()
+    assert seen[0].finish_reason == "cancelled" and len(seen[0].tokens) < 55
+
+
 def test_a_full_queue_answers_429_with_retry_after(build):
     served = Served(build("tiny", **OPTS), "tiny", max_running=1, max_waiting=1)
     gate = threading.Event()
@@ -450,6 +471,18 @@ def test_requests_left_at_the_shutdown_timeout_end_with_abort(build):
         engine.close()
 
 
+def test_a_request_arriving_after_the_abort_is_refused_not_run(build):
+    served = Served(build("tiny", **OPTS), "tiny")
+    try:
+        served.app.state.server.abort_all()
+        with pytest.raises(openai.InternalServerError) as err:
+            served.client.completions.create(model="tiny", prompt="a", max_tokens=40)
+        assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
+        assert served.all_free()
+    finally:
+        served.close()
+
+
 def test_token_bytes_rebuild_text_that_splits_characters(tiny):
     tok = tiny.engine.tokenizer
     text = "a\u00e9\U0001F600b \u4e2d\u6587"  # one to four bytes a character
@@ -458,12 +491,39 @@ def test_token_bytes_rebuild_text_that_splits_characters(tiny):
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
 
 
+def _entries(ids):
+    return [type("Entry", (), {"token": i, "logprob": -1.0, "top": ()})() for i in ids]
+
+
 def test_completion_text_offsets_count_characters_not_token_pieces(tiny):
     tok = tiny.engine.tokenizer
     ids = tok.encode("a\U0001F600b", add_bos=False)  # a, the emoji's four bytes, b
-    entries = [type("E", (), {"token": i, "logprob": -1.0, "top": ()})() for i in ids]
-    out = completion_logprobs(entries, tok, offset=10)
-    assert out["text_offset"] == [10, 11, 11, 11, 11, 12]
+    out = completion_logprobs(_entries(ids), tok, TextOffsets())
+    assert out["text_offset"] == [0, 1, 1, 1, 1, 2]
+
+
+def test_text_offsets_index_the_text_a_leading_space_stripped():
+    """Llama 2's tokenizer decodes "▁a" first in a text as "a": offsets follow the text."""
+    tok = Tokenizer(byte_fallback_backend(llama2=True), None, [], False, None)
+    ids = tok.encode("a b\u00e9 a")
+    text = tok.decode(ids)
+    assert text == "a b\u00e9 a" and tok.token_bytes(ids[0]).startswith(b" ")
+    offsets = TextOffsets()
+    at = [offsets.next(tok, i, tok.token_bytes(i)) for i in ids]
+    pieces = [tok.token_bytes(i).decode() for i in ids]
+    pieces[0] = pieces[0].lstrip(" ")
+    assert all(text[o:o + len(p)] == p for o, p in zip(at, pieces)), (at, pieces)
+
+
+def test_streamed_text_offsets_equal_the_whole_responses(tiny):
+    """A stop string holds text back while streaming: the offsets must not move with it."""
+    kw = dict(model="tiny", prompt="hello", max_tokens=24, temperature=0, logprobs=1,
+              stop=["\x00\x01\x02\x03"])
+    whole = tiny.client.completions.create(**kw).choices[0]
+    streamed = [c.choices[0] for c in tiny.client.completions.create(stream=True, **kw)]
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset]
+    assert "".join(c.text for c in streamed) == whole.text
+    assert offsets == whole.logprobs.text_offset and len(offsets) == 24
 
 
 BAD = [  # (body changes, the param the error names)
@@ -519,7 +579,7 @@ HI = [{"role": "user", "content": "hi"}]
     (HI, {"max_completion_tokens": 500}, "max_completion_tokens"),
     (HI, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     (HI, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
-    ([{"role": "user"}], {}, "messages[0]"),  # no content
+    ([{"role": "user"}], {}, "messages[0].content"),  # no content
 ])
 def test_bad_chat_requests_are_400_naming_the_field(tiny, messages, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -670,7 +730,8 @@ def test_a_kv_cache_too_small_for_one_block_names_the_option(build, artifact_roo
         "--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
         str(artifact_root), "--kv-cache-gb", "0.000000001"])
     assert result.exit_code == 1, result.output
-    assert "--kv-cache-gb 1e-09: " in result.output and "--block-size" in result.output
+    assert "--kv-cache-gb 1e-09 is too small: " in result.output, result.output
+    assert "--block-size" in result.output
 
 
 def _free_port() -> int:

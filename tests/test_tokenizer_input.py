@@ -155,9 +155,10 @@ def test_valid_prompts_still_encode(tok):
     assert tok.apply_chat_template([{"role": "user", "content": "the fox"}]) == "the fox"
 
 
-def _byte_fallback_backend():
-    """A SentencePiece-style vocabulary (Llama 2's kind): "▁" for spaces, ``<0xNN>`` for bytes
-    of characters it does not hold."""
+def byte_fallback_backend(llama2: bool = False):
+    """A SentencePiece-style vocabulary: "▁" for spaces, ``<0xNN>`` for bytes of characters it
+    does not hold; ``llama2``: as Llama 2's tokenizer.json, a "▁" put before the text and
+    stripped again from the decoded text's start."""
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers
 
@@ -165,15 +166,16 @@ def _byte_fallback_backend():
     for piece in ("\u2581", "a", "b", "\u2581a", "\u00e9"):
         vocab[piece] = len(vocab)
     backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                     prepend_scheme="never")
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
-                                         decoders.ByteFallback(), decoders.Fuse()])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if llama2 else "never")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if llama2 else []))
     return backend
 
 
 def test_token_bytes_of_a_byte_fallback_vocabulary():
-    tok = Tokenizer(_byte_fallback_backend(), None, [], False, None)
+    tok = Tokenizer(byte_fallback_backend(), None, [], False, None)
     text = "ab a\u00e9 \U0001F600\u4e2d"
     ids = tok.encode(text)
     assert any(tok.token(i).startswith("<0x") for i in ids)  # the emoji went to bytes
