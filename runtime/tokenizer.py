@@ -132,8 +132,9 @@ class Tokenizer:
                                          add_generation_prompt=add_generation_prompt)
         except Exception as e:  # the template is the model's code: it can raise anything
             raise InputError(f"the model's chat template failed while rendering the messages "
-                             f"({type(e).__name__}: {e}); run without --chat (a plain prompt "
-                             "is not templated)") from e
+                             f"({type(e).__name__}: {e}); give messages the template accepts "
+                             "(roles, order), or a plain prompt, which is not templated "
+                             "(paged-run without --chat, /v1/completions)") from e
 
     def set_chat_template(self, source: str) -> None:
         """Use ``source`` (a Jinja chat template, as in tokenizer_config.json) from now on;

@@ -145,7 +145,7 @@ def test_prompt_that_is_not_valid_text_is_an_input_error(tok, text, message):
 def test_chat_template_failing_while_rendering_is_an_input_error(tok, template, error):
     broken = Tokenizer(tok.backend, tok.bos_id, tok.eos_ids, tok.add_bos, template)
     with pytest.raises(InputError, match=r"the model's chat template failed while rendering the "
-                                         rf"messages \({error}.*run without --chat"):
+                                         rf"messages \({error}.*or a plain prompt"):
         broken.apply_chat_template([{"role": "user", "content": "hello"}])
 
 
