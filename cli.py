@@ -285,15 +285,14 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
     if opts["batch_buckets"] == ():
         raise ConfigError("paged-serve needs batch buckets: leave --batch-buckets out (the "
                           "CPU's default is 2,4,8,16,32) or name some")
-    if chat_template is not None:
-        read_chat_template(chat_template)
+    template = None if chat_template is None else read_chat_template(chat_template)
     prepared, _ = _prepare(**opts)
     if not prepared.manifest.batch_buckets:
         raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "
                           "--batch-buckets (the CPU's default is 2,4,8,16,32)")
     engine = load_engine(prepared.artifact_dir, prepared.weights_dir, kv_cache_gb=kv_cache_gb,
                          max_running=max_running, max_waiting=max_waiting,
-                         prefill_budget=prefill_budget, chat_template=chat_template)
+                         prefill_budget=prefill_budget, chat_template=template)
     try:
         name = served_model_name or prepared.manifest.name
         app = create_app(engine, name, api_key=api_key)

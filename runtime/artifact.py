@@ -226,15 +226,17 @@ def read_manifest(path: str | Path) -> tuple[Manifest, str]:
     if not path.is_dir():
         raise ArtifactError(f"{path}: no such artifact folder; pass the folder paged-compile "
                             "printed ('artifact:', or prepare(...).artifact_dir)")
-    if not (path / "manifest.json").exists() and (path / "weights.json").is_file():
-        raise ArtifactError(f"{path} is a weight pack, not an artifact folder: pass the "
-                            "artifact folder first and the weight pack second")
-    if not (path / "manifest.json").exists() and not any(path.glob("*.so")):
-        held = sorted(p.parent.name for p in path.glob("*/manifest.json"))
-        raise ArtifactError(f"{path} is not an artifact folder (no manifest.json, no library)"
-                            + (f"; it holds artifacts: pass one, e.g. {path / held[0]}"
-                               if held else "; pass the folder paged-compile printed "
-                               "('artifact:', or prepare(...).artifact_dir)"))
+    if not (path / "manifest.json").exists():  # a damaged artifact (a library) gets its hint
+        if (path / "weights.json").is_file():
+            raise ArtifactError(f"{path} is a weight pack, not an artifact folder: pass the "
+                                "artifact folder first and the weight pack second")
+        if not any(path.glob("*.so")):
+            held = sorted(p.parent.name for p in path.glob("*/manifest.json"))
+            raise ArtifactError(f"{path} is not an artifact folder (no manifest.json, no "
+                                "library)" + (f"; it holds artifacts: pass one, e.g. "
+                                              f"{path / held[0]}" if held else
+                                              "; pass the folder paged-compile printed "
+                                              "('artifact:', or prepare(...).artifact_dir)"))
     manifest = _read_json(path / "manifest.json", "manifest.json", _rebuild_hint(None, path))
     verify_manifest(manifest, path)
     hint = _rebuild_hint(manifest, path)

@@ -333,14 +333,12 @@ class BatchEngine:
                     sched.cancel(stream.request)
                     self._retire(stream.request)
                 elif kind == "cancel_all":
-                    for req in list(sched.running) + list(sched.waiting):
-                        sched.cancel(req)
-                        self._retire(req)
+                    self._end_all()
                 continue  # drain the inbox before stepping
             try:
                 produced = sched.step()
             except Exception as e:  # noqa: BLE001 - any failure ends the requests it hit, with
-                self._fail_all(e)  # the error re-raised in each stream; the engine goes on
+                self._end_all(e)  # the error re-raised in each stream; the engine goes on
                 continue
             # a request can produce two tokens in one step (its prompt's last chunk, then a
             # decode row): each is pushed before any stream closes
@@ -359,9 +357,7 @@ class BatchEngine:
                 self._retire(req)
             for req in sched.failed:
                 self._retire(req, req.error)
-        for req in list(sched.running) + list(sched.waiting):
-            sched.cancel(req)
-            self._retire(req)
+        self._end_all()
         self._drain_after_close()
 
     def _drain_after_close(self) -> None:
@@ -387,7 +383,9 @@ class BatchEngine:
                 with self._lock:
                     self._active -= 1
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _end_all(self, error: BaseException | None = None) -> None:
+        """Cancel every running and waiting request; its stream ends with ``error``, or as
+        cancelled without one."""
         sched = self.scheduler
         for req in list(sched.running) + list(sched.waiting):
             sched.cancel(req)

@@ -55,13 +55,13 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
                 max_running: int | None, max_waiting: int, prefill_budget: int,
                 chat_template: str | None):
     """The batching engine for a server (pool sized as :func:`default_num_blocks` says, unless
-    ``kv_cache_gb``), with the chat template replaced when one is given."""
+    ``kv_cache_gb``), with the chat template replaced when one is given (``chat_template``:
+    its source, as :func:`read_chat_template` returns it)."""
     from paged_decode.runtime.artifact import read_manifest
     from paged_decode.runtime.batch_engine import BatchEngine
 
     from paged_decode.runtime.kv_pool import PoolConfigError
 
-    template = None if chat_template is None else read_chat_template(chat_template)
     manifest, _ = read_manifest(artifact_dir)  # BatchEngine.load loads the library itself
     running = max_running or max(manifest.batch_buckets, default=1)
     pool = ({"memory_budget_bytes": int(kv_cache_gb * 1e9)} if kv_cache_gb is not None
@@ -74,8 +74,8 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
             raise
         raise PoolConfigError(f"--kv-cache-gb {kv_cache_gb:g} is too small: {e} (paged-serve "
                               "--block-size)") from e
-    if template is not None:
-        engine.tokenizer.set_chat_template(template)
+    if chat_template is not None:
+        engine.tokenizer.set_chat_template(chat_template)
     return engine
 
 
@@ -104,9 +104,10 @@ def build_app(artifact_dir, weights_dir, model_name: str, *, api_key: str | None
     hosting it elsewhere: ``uvicorn``'s factory mode, or a Ray Serve ingress builder."""
     from .app import create_app
 
+    template = None if chat_template is None else read_chat_template(chat_template)
     engine = load_engine(Path(artifact_dir), Path(weights_dir), kv_cache_gb=kv_cache_gb,
                          max_running=max_running, max_waiting=max_waiting,
-                         prefill_budget=prefill_budget, chat_template=chat_template)
+                         prefill_budget=prefill_budget, chat_template=template)
     return create_app(engine, model_name, api_key=api_key, owns_engine=True)
 
 
