@@ -337,22 +337,32 @@ def test_k_quant_mixes_are_llama_quantizes_byte_for_byte(mix, shape, tmp_path):
 
 
 def test_smollm2_tensors_pack_as_the_file_holds_them(smollm_gguf):
-    """The native pack's bytes of each parameter dequantize to what gguf gives for the file
-    (Q / K rows unpermuted as transformers does)."""
-    from paged_decode.compile.weights import resolve_formats, resolve_model
+    """Every matrix of the native pack, so every quantized tensor of the file (210 Q4_1, the
+    Q8_0 embedding), dequantizes bit for bit to what gguf's dequantizer gives for the file (Q /
+    K rows unpermuted as transformers does)."""
+    from collections import Counter
+
+    from paged_decode.compile.params import matrix_shapes
+    from paged_decode.compile.weights import gguf_matrix_types, resolve_formats, resolve_model
 
     source = resolve_model(str(smollm_gguf))
     base, others = resolve_formats(source, "auto")
     assert (base, others) == ("q4_1", (("embed", "q8_0"),))
     params = source.load_params(base, others)
-    floats = source.load_params("float32")
-    cfg = source.config
-    for name in ("embed", "layers.0.wqkv", "layers.7.w_gate_up", "layers.29.w_down",
-                 "layers.3.wo"):
-        fmt = "q8_0" if name == "embed" else "q4_1"
-        K = floats[name].shape[1]
-        np.testing.assert_array_equal(FORMATS[fmt].dequantize(params[name], K), floats[name],
+    floats = source.load_params("float32")  # gguf's dequantizer, joined as the pack joins
+    in_file = Counter(t.tensor_type.name for t in gguf.GGUFReader(smollm_gguf).tensors
+                      if t.tensor_type not in (GGML.F32, GGML.F16))
+    assert in_file == {"Q4_1": 210, "Q8_0": 1}
+    types = gguf_matrix_types(source)
+    assert Counter(t for parts in types.values() for t in parts) == in_file
+    for name, (_rows, K) in matrix_shapes(source.config).items():
+        fmt = dict(others).get(name, base)
+        assert set(types[name]) == {FORMATS[fmt].gguf_type}, name
+        ours = FORMATS[fmt].dequantize(params[name], K)
+        assert ours.dtype == floats[name].dtype == np.float32, name
+        np.testing.assert_array_equal(ours.view(np.uint32), floats[name].view(np.uint32),
                                       err_msg=name)
+    cfg = source.config
     assert params["embed"].nbytes == cfg.vocab_size * cfg.hidden_size // 32 * 34
 
 
