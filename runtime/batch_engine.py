@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from .artifact import Artifact, WeightPack, load_artifact, load_weights
-from .checks import is_int
+from .checks import check_stop_ids, is_int
 from .errors import EngineStoppedError, InputError, QueueFullError
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
@@ -187,11 +187,13 @@ class BatchEngine:
 
     def submit_n(self, prompt: str | Sequence[int], n: int, *, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 chat: bool = False, top_logprobs: int | None = None, constraint=None,
+                 stop_token_ids: Sequence[int] = (), chat: bool = False, top_logprobs: int | None = None, constraint=None,
                  listener: Listener | None = None) -> list[RequestStream]:
         """``n`` continuations of one prompt, prefilled once and sharing its KV blocks
         (``Scheduler.make_forks``: continuation ``i`` samples with ``seed + i``).
 
+        ``stop``: strings that end the text (not included); ``stop_token_ids``: ids that end it
+        besides the tokenizer's end-of-sequence ids (their text is not included);
         ``top_logprobs``: record each token's log-probability and that many alternatives
         (:class:`Delta`); ``constraint``: a grammar (``self.grammars.json_schema(...)``);
         ``listener``: receives the pieces instead of the streams' iterators."""
@@ -202,8 +204,9 @@ class BatchEngine:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
+        stop_ids = set(self.tokenizer.eos_ids) | check_stop_ids(stop_token_ids, "stop_token_ids")
         group = self.scheduler.make_forks(self._encode(prompt, chat), n, max_new_tokens,
-                                          sampling, self.tokenizer.eos_ids,
+                                          sampling, stop_ids,
                                           top_logprobs=top_logprobs, constraint=constraint)
         if self.capacity is not None and len(group) > self.capacity:
             raise InputError(f"n={n}: more continuations than this engine holds at once "

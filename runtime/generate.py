@@ -11,24 +11,11 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from .artifact import Artifact, WeightPack
-from .checks import is_int
+from .checks import check_stop_ids, is_int
 from .errors import BusyError, HandleError, InputError
 from .kv_pool import PagedKVCache, SessionHandle
 from .sampling import Sampler, SamplingParams
 from .session import PagedDecodeSession, check_prompt, validity_key_for
-
-
-def _check_stop_ids(stop_ids) -> set[int]:
-    """Stop ids as a set of ints (ids the model never samples are allowed: they never match)."""
-    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, Iterable):
-        raise InputError(f"stop_ids={stop_ids!r}: must be an iterable of token ids; pass () "
-                         "for none")
-    stop = list(stop_ids)
-    bad = [t for t in stop if not is_int(t)]
-    if bad:
-        raise InputError(f"stop id {bad[0]!r} is a {type(bad[0]).__name__}, not an integer; "
-                         "pass int token ids")
-    return {int(t) for t in stop}
 
 
 @dataclasses.dataclass
@@ -135,7 +122,7 @@ class Generator:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 0; pass the "
                              "number of tokens to generate")
         sampler = Sampler(sampling)
-        return self._stream(ids, int(max_new_tokens), sampler, _check_stop_ids(stop_ids))
+        return self._stream(ids, int(max_new_tokens), sampler, check_stop_ids(stop_ids))
 
     def _stream(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler,
                 stop: set[int]) -> Iterator[int]:

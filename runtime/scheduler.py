@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checks import is_int
+from .checks import check_stop_ids, is_int
 from .errors import CapacityError, InputError, OutOfBlocksError
 from .kv_pool import PagedKVCache, SessionHandle
 from .prefix_cache import PrefixCache
@@ -183,7 +183,7 @@ class Scheduler:
         if blocks > self.pool.num_blocks:
             raise CapacityError(f"the request needs {blocks} KV blocks, the pool has "
                                 f"{self.pool.num_blocks}; allocate a larger pool")
-        stop = frozenset(int(t) for t in stop_ids)
+        stop = frozenset(check_stop_ids(stop_ids))
         req = Request(ids, int(max_tokens), Sampler(sampling), stop, constraint=constraint,
                       top_logprobs=None if top_logprobs is None else int(top_logprobs))
         req.pending = list(ids)

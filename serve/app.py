@@ -201,7 +201,8 @@ class _Server:
             raise APIError(400, str(e)) from e
         return {"chat": chat, "model": self.model_name, "n": body.n, "prompts": prompts,
                 "max_tokens": [self._max_tokens(p, max_tokens, field, chat) for p in prompts],
-                "sampling": sampling, "stop": stop, "top_logprobs": top,
+                "sampling": sampling, "stop": stop, "stop_ids": body.stop_token_ids or [],
+                "top_logprobs": top,
                 "grammar": await self._grammar(body.response_format),
                 "include_usage": bool(body.stream_options and body.stream_options.include_usage),
                 "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
@@ -264,7 +265,7 @@ class _Server:
             for i, ids in enumerate(job["prompts"]):
                 streams += self.engine.submit_n(
                     ids, job["n"], max_new_tokens=job["max_tokens"][i],
-                    sampling=job["sampling"], stop=job["stop"],
+                    sampling=job["sampling"], stop=job["stop"], stop_token_ids=job["stop_ids"],
                     top_logprobs=job["top_logprobs"], constraint=grammars[i],
                     listener=listener)
         except QueueFullError as e:

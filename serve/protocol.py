@@ -59,6 +59,7 @@ class SamplingBody(_Body):
     top_k: Annotated[int, Field(ge=-1)] = -1  # an extension (vLLM's): -1 or 0 keeps all
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # an extension (vLLM's): ids that end the output
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

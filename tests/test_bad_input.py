@@ -417,7 +417,7 @@ CASES = [
     Case("stop_ids_none", lambda w: _stream(w, [1, 2], stop_ids=None), InputError,
          (r"stop_ids=None", r"pass \(\) for none")),
     Case("stop_id_float", lambda w: _stream(w, [1, 2], stop_ids=[1.5]), InputError,
-         (r"stop id 1\.5 is a float", "pass int token ids")),
+         (r"stop_ids: 1\.5 is a float", "pass int token ids")),
     Case("generator_empty_prompt", lambda w: _stream(w, []), TokenIdError,
          (r"shape \(0,\)", PROMPT_FIX)),
     Case("generator_prompt_outside_vocab", lambda w: _stream(w, [300]), TokenIdError,

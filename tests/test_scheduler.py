@@ -208,6 +208,25 @@ def test_stop_strings_cut_the_text_before_them(engines):
     assert stream.text() == full[:full.find(stop)] and stream.finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_stream_without_their_text(engines):
+    """A stop id the caller names ends the request like the tokenizer's end of sequence: the
+    id is the last token, its text is not in the output; the eos ids still stop it too."""
+    batch, solo = engines
+    ids = solo.encode_prompt("hello")
+    tokens = solo.generator.generate(ids, 16, stop_ids=solo.tokenizer.eos_ids)
+    assert len(tokens) > 4  # no end of sequence before the id chosen below
+    stop = tokens[4]
+    cut = tokens.index(stop)
+    stream = batch.submit("hello", max_new_tokens=16, stop_token_ids=[stop])
+    text = stream.text()
+    assert stream.tokens == tokens[:cut + 1] and stream.finish_reason == "stop"
+    assert text == "".join(solo.stream_ids_text(ids, max_new_tokens=cut))
+    for bad, match in (([1.5], r"stop_token_ids: 1\.5 is a float"),
+                       (7, r"stop_token_ids=7: must be an iterable")):
+        with pytest.raises(InputError, match=match):
+            batch.submit("hello", stop_token_ids=bad)
+
+
 def test_cancelling_a_stream_frees_its_blocks(engines):
     """Cancelled as its first piece arrives: the listener runs on the engine's thread, so the
     cancel is queued before the next step however fast the steps are (a consumer thread

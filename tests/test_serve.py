@@ -224,6 +224,18 @@ def test_a_stop_string_cuts_the_text_before_it(model):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_text_before_their_token(model):
+    """vLLM's ``stop_token_ids`` extension: the output ends before the named id's text."""
+    ids = model.solo.encode_prompt("hello")
+    tokens = model.solo.generator.generate(ids, 16, stop_ids=model.solo.tokenizer.eos_ids)
+    assert len(tokens) > 3
+    cut = tokens.index(tokens[3])
+    r = model.client.completions.create(model=model.name, prompt="hello", max_tokens=16,
+                                        temperature=0, extra_body={"stop_token_ids": [tokens[3]]})
+    assert r.choices[0].text == "".join(model.solo.stream_ids_text(ids, max_new_tokens=cut))
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut + 1
+
+
 def test_logprobs_match_the_models_own_distribution(tiny):
     """The first token's log-probabilities against a log-softmax (float64 numpy) of the logits
     an independent B = 1 session computes for the same prompt."""
