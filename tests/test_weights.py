@@ -254,10 +254,12 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=None):
+def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=None, raw=None):
     """A float32 GGUF of ``ckpt`` laid out the way convert_hf_to_gguf writes a Llama;
     ``formats(gguf_name) -> format name | None``: matrices stored quantized by our quantizer
-    in that format (with a byte-level 'gpt2' vocabulary, so the file loads as a model)."""
+    in that format (with a byte-level 'gpt2' vocabulary, so the file loads as a model);
+    ``raw``: ``{gguf_name: (GGML type name, block bytes (rows, bytes per row))}`` stored as
+    given in place of those tensors (not Q / K, whose rows would need permuting)."""
     import gguf
 
     from paged_decode.compile.formats import FORMATS
@@ -287,7 +289,10 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
             value = llama_cpp_permute(value, heads)
         name = weights.gguf_name(hf_name)
         fmt = formats(name) if formats is not None and value.ndim == 2 else None
-        if fmt is None:
+        if raw is not None and name in raw:
+            type_name, blocks = raw[name]
+            w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        elif fmt is None:
             w.add_tensor(name, np.ascontiguousarray(value))
         else:
             w.add_tensor(name, FORMATS[fmt].quantize(value),
@@ -312,6 +317,67 @@ def test_written_gguf_roundtrips_llama(llama_ckpt, tmp_path):
         np.testing.assert_array_equal(params[name], ref, err_msg=name)
     with pytest.raises(ConfigError, match="tokenizer.ggml.model='llama'"):
         export_tokenizer(source, tmp_path / "tok")
+
+
+def _q3_k_blocks(rows: int, K: int, seed: int = 0) -> np.ndarray:
+    """Random valid Q3_K block bytes (110 B per 256 weights: high-bit mask, 2-bit quants,
+    packed 6-bit scales, then a float16 d), d finite and small; gguf has no Q3_K quantizer."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * K // 256, 110), dtype=np.uint8)
+    d = rng.uniform(-0.002, 0.002, (len(blocks), 1)).astype(np.float16)
+    blocks[:, 108:110] = d.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_gguf_types_without_kernels_pack_as_float16_with_a_warning(llama_wide_ckpt, tmp_path,
+                                                                   caplog):
+    """A GGUF holding types we do not run natively (Q5_0 and Q5_1 from gguf's quantizer, a
+    hand-made Q3_K) beside native Q8_0 packs: each such tensor is named with its type in a
+    warning and stored as float16, gguf's own dequantization of the file rounded to float16;
+    the Q8_0 matrices keep their blocks."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.numpy import load_file
+
+    from paged_decode.compile.api import write_weight_pack
+    from paged_decode.compile.weights import resolve_formats
+
+    cfg = resolve_model(str(llama_wide_ckpt.path)).config
+    state = llama_wide_ckpt.state
+    q5 = {"token_embd.weight": ("Q5_1", "model.embed_tokens.weight", "embed"),
+          "blk.0.attn_output.weight": ("Q5_0", "model.layers.0.self_attn.o_proj.weight",
+                                       "layers.0.wo")}
+    raw = {name: (t, quantize(state[hf], gguf.GGMLQuantizationType[t]))
+           for name, (t, hf, _param) in q5.items()}
+    raw["blk.1.ffn_down.weight"] = ("Q3_K", _q3_k_blocks(cfg.hidden_size, cfg.intermediate_size))
+    ours = {**{name: param for name, (_t, _hf, param) in q5.items()},
+            "blk.1.ffn_down.weight": "layers.1.w_down"}
+    path = write_llama_gguf(tmp_path / "mixed.gguf", llama_wide_ckpt, cfg,
+                            formats=lambda name: "q8_0", raw=raw)
+    source = resolve_model(str(path))
+    with caplog.at_level("WARNING"):
+        base, others = resolve_formats(source, "auto")
+        assert (base, dict(others)) == ("q8_0", {p: "float16" for p in ours.values()})
+        out = tmp_path / "pack"
+        out.mkdir()
+        write_weight_pack(source, base, out, others)
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    packed = load_file(str(out / "params.safetensors"))
+    file_tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, param in ours.items():
+        type_name = raw[name][0]
+        assert any(name in m and type_name in m for m in messages), (name, messages)
+        t = file_tensors[name]
+        assert t.tensor_type.name == type_name
+        expected = dequantize(t.data, t.tensor_type).reshape(
+            [int(d) for d in t.shape[::-1]]).astype(np.float16)
+        assert packed[param].dtype == np.float16, param
+        np.testing.assert_array_equal(packed[param].view(np.uint16), expected.view(np.uint16),
+                                      err_msg=param)
+    assert not any("Q8_0" in m for m in messages)
+    q8_0 = file_tensors["blk.1.attn_output.weight"]
+    np.testing.assert_array_equal(packed["layers.1.wo"],
+                                  np.asarray(q8_0.data).view(np.uint8).reshape(cfg.hidden_size, -1))
 
 
 @pytest.mark.parametrize("fields, message", [
