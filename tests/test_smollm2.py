@@ -73,7 +73,9 @@ def test_native_greedy_tokens_follow_transformers(smol_native, hf_model, prompt)
     """Native decode reads int8-quantized activations (llama.cpp's arithmetic), so a greedy
     choice may differ from transformers' float32 where transformers' own top two logits are
     within the stated tolerance of each other: the tokens agree up to the first such near tie,
-    and never part elsewhere."""
+    and never part elsewhere.  Measured: all 32 tokens agree on the capital of France (64 of
+    64 too), the first 12 on the haiku and the first 22 on the primes, which part where
+    transformers' top two logits are 0.13 and 0.07 apart."""
     artifact, weights, tok = smol_native
     ids = _chat_ids(tok, prompt)
     ours = Generator(artifact, weights, make_pool(artifact, 16)).generate(ids, N_TOKENS)
