@@ -20,11 +20,13 @@ import numpy as np
 from .kv_pool import PagedKVCache
 
 
-def block_hashes(tokens, block_size: int, n_blocks: int) -> list[bytes]:
-    """The chain hashes of the first ``n_blocks`` full blocks of ``tokens``."""
-    out, h = [], b""
-    ids = np.asarray(tokens, np.int64)
-    for i in range(n_blocks):
+def block_hashes(tokens, block_size: int, n_blocks: int, known=()) -> list[bytes]:
+    """The chain hashes of the first ``n_blocks`` full blocks of ``tokens``; ``known``: those
+    of its leading blocks already computed (not recomputed)."""
+    out = list(known[:n_blocks])
+    h = out[-1] if out else b""
+    ids = np.asarray(tokens[len(out) * block_size:n_blocks * block_size], np.int64)
+    for i in range(n_blocks - len(out)):
         h = hashlib.sha256(h + ids[i * block_size:(i + 1) * block_size].tobytes()).digest()
         out.append(h)
     return out
@@ -37,6 +39,7 @@ class PrefixCache:
         self.pool = pool
         self._alloc_id = pool.alloc_id
         self._by_hash: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._cached: set[int] = set()  # the blocks in _by_hash
         self.lookups = self.hits = self.hit_blocks = self.tokens_saved = self.evictions = 0
 
     def __len__(self) -> int:
@@ -47,14 +50,29 @@ class PrefixCache:
         """A cleared pool took every block back: forget them (holding no references)."""
         if self.pool.alloc_id != self._alloc_id:
             self._by_hash.clear()
+            self._cached.clear()
             self._alloc_id = self.pool.alloc_id
 
     def match(self, tokens) -> list[int]:
         """The cached blocks that begin ``tokens`` (longest prefix), at most all but the block
-        holding the last token (its logits must be computed).  Marks them recently used."""
+        holding the last token (its logits must be computed).  Marks them recently used and
+        counts the lookup."""
+        blocks = self._lookup(tokens)
+        self.lookups += 1
+        if blocks:
+            self.hits += 1
+            self.hit_blocks += len(blocks)
+            self.tokens_saved += len(blocks) * self.pool.block_size
+        return blocks
+
+    def peek(self, tokens) -> int:
+        """How many blocks :meth:`match` would find now; marks them recently used (so making
+        room for the request that asks does not evict them first), counts nothing."""
+        return len(self._lookup(tokens))
+
+    def _lookup(self, tokens) -> list[int]:
         self._check_allocation()
         bs = self.pool.block_size
-        self.lookups += 1
         blocks = []
         for h in block_hashes(tokens, bs, (len(tokens) - 1) // bs):
             block = self._by_hash.get(h)
@@ -62,24 +80,25 @@ class PrefixCache:
                 break
             self._by_hash.move_to_end(h)
             blocks.append(block)
-        if blocks:
-            self.hits += 1
-            self.hit_blocks += len(blocks)
-            self.tokens_saved += len(blocks) * bs
         return blocks
 
-    def insert(self, tokens, blocks) -> int:
+    def insert(self, tokens, blocks, known: list | None = None) -> int:
         """Cache the full blocks among ``blocks`` (a sequence's, holding ``tokens``) that are
-        not cached yet; returns how many were added."""
+        not cached yet; returns how many were added.  ``known``: the chain hashes of the
+        sequence's leading blocks computed by an earlier call, extended here in place (a
+        sequence cached block by block as it fills them hashes each block once)."""
         self._check_allocation()
         n = min(len(tokens) // self.pool.block_size, len(blocks))
-        cached = set(self._by_hash.values())
+        hashes = block_hashes(tokens, self.pool.block_size, n, known or ())
+        if known is not None:
+            known[len(known):] = hashes[len(known):]
         added = []
-        for h, block in zip(block_hashes(tokens, self.pool.block_size, n), blocks[:n]):
+        for h, block in zip(hashes, blocks[:n]):
             if h in self._by_hash:
                 self._by_hash.move_to_end(h)
-            elif block not in cached:
+            elif block not in self._cached:
                 self._by_hash[h] = block
+                self._cached.add(block)
                 added.append(block)
         self.pool.retain(added)
         return len(added)
@@ -96,6 +115,7 @@ class PrefixCache:
         self._check_allocation()
         gone = [h for h, b in self._by_hash.items() if self.pool.allocator.refcount(b) == 1][:n]
         blocks = [self._by_hash.pop(h) for h in gone]
+        self._cached.difference_update(blocks)
         self.pool.unretain(blocks)
         self.evictions += len(blocks)
         return len(blocks)

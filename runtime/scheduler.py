@@ -11,9 +11,11 @@ Each :meth:`Scheduler.step`:
 4. samples each row with its request's own parameters (greedy rows with one ``argmax``), and
    finishes a request at a stop id, at its ``max_tokens`` or when cancelled.
 
-With the prefix cache on, a finished request's full blocks stay cached by their tokens
-(:mod:`.prefix_cache`) and a new request that begins with them prefills only the rest; cached
-blocks nothing else holds are evicted, least recently used, before anything is preempted.
+With the prefix cache on, every full block a request writes is cached by its tokens
+(:mod:`.prefix_cache`) as soon as it is full, and kept after the request ends: a request that
+begins with cached blocks prefills only the rest, looked up when its prefill starts, so requests
+sharing a system prompt share its blocks even while they run together.  Cached blocks nothing
+else holds are evicted, least recently used, before anything is preempted.
 When a step needs a block the pool does not have, the newest running request is preempted: its
 blocks are freed, its tokens kept, and it waits at the head of the queue to be prefilled again
 (recomputed) once blocks free up.  No other sequence is touched.  A request that could never fit
@@ -82,6 +84,7 @@ class Request:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     constraint: object | None = None
     error: Exception | None = None  # why it finished as "error"
+    hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix cache)
 
     @property
     def finished(self) -> bool:
@@ -230,7 +233,9 @@ class Scheduler:
                 req.fork_of, req.pending = None, list(req.prompt)
             forks = self._unforked(req)
             room = self.max_running - len(self.running) - 1 - len(forks)
-            need = self._blocks_for(req) + len(forks)  # + a copy of the last block per fork
+            cached = self.cache.peek(req.pending) if self.cache is not None else 0
+            need = self._blocks_for(req) - cached + len(forks)  # + a copy of the last block
+
             if need > self.pool.num_free:
                 self._make_room(need - self.pool.num_free)
             if self.running and (room < 0 or need > self.pool.num_free):
@@ -240,14 +245,28 @@ class Scheduler:
             self._start(req)
 
     def _start(self, req: Request) -> None:
-        """A sequence for ``req``: over the cached blocks its tokens begin with, if any."""
-        cached = self.cache.match(req.pending) if self.cache is not None else []
+        req.handle = self.pool.new_sequence()
+
+    def _adopt_cached(self, req: Request) -> None:
+        """Before ``req`` prefills anything: its sequence over the cached blocks its tokens
+        begin with, if any (looked up now, not at admission, to find the blocks of a request
+        with the same prefix that prefilled since)."""
+        cached = self.cache.match(req.pending)
         if cached:
             n = len(cached) * self.pool.block_size
+            req.handle.release()
             req.handle = self.pool.adopt(cached, n)
             del req.pending[:n]
-        else:
-            req.handle = self.pool.new_sequence()
+
+    def _cache_written(self, req: Request, new_only: bool = False) -> None:
+        """Cache the full blocks ``req``'s sequence has written (``new_only``: only if it
+        filled one since the last call)."""
+        if self.cache is None or req.handle is None:
+            return
+        n = req.handle.length
+        if new_only and n // self.pool.block_size <= len(req.hashes):
+            return
+        self.cache.insert((req.prompt + req.tokens)[:n], req.handle.blocks, req.hashes)
 
     def _make_room(self, n: int) -> bool:
         """Evict up to ``n`` cached blocks nothing else holds; whether any was freed."""
@@ -263,6 +282,8 @@ class Scheduler:
                 break
             if req.handle is None:  # preempted by an earlier chunk of this step
                 continue
+            if self.cache is not None and req.handle.length == 0:
+                self._adopt_cached(req)
             chunk = req.pending[:budget]
             try:
                 logits = self.session._single.prefill(req.handle, chunk)
@@ -272,6 +293,7 @@ class Scheduler:
                 continue
             del req.pending[:len(chunk)]
             budget -= len(chunk)
+            self._cache_written(req, new_only=True)
             if not req.pending:
                 group = [req] + self._fork_waiting(req)
                 out += self._emit(group, np.repeat(logits[None], len(group), axis=0))
@@ -283,7 +305,7 @@ class Scheduler:
         forks = self._unforked(head)
         for r in forks:
             self.waiting.remove(r)
-            r.handle, r.fork_of = head.handle.fork(), None
+            r.handle, r.fork_of, r.hashes = head.handle.fork(), None, list(head.hashes)
             self.running.append(r)
         return forks
 
@@ -299,6 +321,8 @@ class Scheduler:
                     raise
                 rows = [r for r in rows if r is not victim]
                 continue
+            for r in rows:
+                self._cache_written(r, new_only=True)
             return self._emit(rows, logits)
         return []
 
@@ -310,6 +334,7 @@ class Scheduler:
             return None
         victim = victims[-1]
         self.running.remove(victim)
+        self._cache_written(victim)  # its recompute finds them, unless evicted by then
         victim.handle.release()
         victim.handle = None
         victim.pending = victim.prompt + victim.tokens
@@ -380,9 +405,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.handle is not None:
-            if self.cache is not None:  # the tokens whose K/V the sequence holds
-                written = (req.prompt + req.tokens)[:req.handle.length]
-                self.cache.insert(written, req.handle.blocks)
+            self._cache_written(req)
             req.handle.release()
             req.handle = None
 

@@ -72,6 +72,44 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
                                                  for p in prompts]
 
 
+def test_requests_running_together_share_their_system_prompt(tiny):
+    """Blocks are cached as they fill and looked up when a prefill starts: four requests added
+    at once prefill the shared prompt once, hold its blocks once, and each equals its solo
+    run."""
+    artifact, weights = tiny
+    pool = make_pool(artifact, 40)
+    sched = Scheduler(artifact, weights, pool)
+    prompts = [SYSTEM + [60 + i, 70 + i] for i in range(4)]
+    reqs = [sched.add(p, max_tokens=6) for p in prompts]
+    sched.step()
+    assert sched.cache.hits == 3 and sched.cache.tokens_saved == 3 * 8
+    assert len({tuple(r.handle.blocks[:2]) for r in reqs}) == 1  # the same two blocks
+    while sched.has_work:
+        sched.step()
+    gen = Generator(artifact, weights, make_pool(artifact, 20))
+    assert [r.tokens for r in reqs] == [gen.generate(p, max_new_tokens=6) for p in prompts]
+
+
+def test_making_room_for_a_request_keeps_the_prefix_it_begins_with(tiny):
+    """A request that needs more blocks than are free evicts other cached blocks, not the
+    least recently used prefix it is about to reuse, and counts those blocks as had."""
+    artifact, weights = tiny
+    pool = make_pool(artifact, 8)
+    sched = Scheduler(artifact, weights, pool)
+    for prompt in (SYSTEM + [40], [30, 31, 32, 33, 34, 35, 36, 37, 38]):  # older, newer
+        sched.add(prompt, max_tokens=2)  # 11 tokens written: two full blocks each
+        while sched.has_work:
+            sched.step()
+    assert len(sched.cache) == 4 and pool.num_free == 4
+    prompt = SYSTEM[:8] + [50] * 9  # 17 tokens: 5 blocks with its first token, 3 past the two
+    req = sched.add(prompt, max_tokens=3)
+    while sched.has_work:
+        sched.step()
+    assert sched.cache.tokens_saved == 8 and sched.cache.evictions <= 2
+    gen = Generator(artifact, weights, make_pool(artifact, 20))
+    assert req.tokens == gen.generate(prompt, max_new_tokens=3)
+
+
 def test_eviction_frees_only_what_the_cache_alone_holds(tiny):
     artifact, weights = tiny
     pool = make_pool(artifact, 12)
