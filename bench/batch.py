@@ -23,6 +23,10 @@ QUICK = dict(rows=(1, 2), context=16, steps=4, rounds=1, bw_mb=64, warmup_s=0.05
 # the issue's goals, checked in the report: b = 8 and b = 32 over b = 1, b = 16 over llama.cpp
 # and against the roof
 GOALS = {"over_b1": {8: 4.0, 32: 8.0}, "vs_llamacpp": {16: 2.0}, "roof_fraction": {16: 0.6}}
+# the sampling a serving step adds on the host, per kind of request parameters
+SAMPLING = {"greedy": {}, "temperature 1": {"temperature": 1.0},
+            "top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
+            "top_k 40": {"temperature": 0.8, "top_k": 40}}
 
 
 class OursBatched:
@@ -53,6 +57,14 @@ class OursBatched:
             for h, ids in zip(self.seqs, prompts):
                 self.session._single.prefill(h, ids[start:start + m.block_size])
 
+    def logits(self, b: int) -> np.ndarray:
+        """One step's logits ``[b, vocab_size]`` (the sequences stay as they were)."""
+        try:
+            return self.session.step(self.seqs[:b], [1] * b)
+        finally:
+            for h in self.seqs[:b]:
+                h.truncate_to(self.context - 1)
+
     def step_ms(self, b: int, steps: int, warmup_s: float) -> float:
         handles, tokens = self.seqs[:b], [1] * b
         try:
@@ -60,6 +72,21 @@ class OursBatched:
         finally:
             for h in handles:
                 h.truncate_to(self.context - 1)
+
+
+def host_sampling(ours: OursBatched, b: int, step_ms: float, repeats: int) -> dict:
+    """The host work sampling adds to a serving step of ``b`` rows: one step's logits sampled
+    as the scheduler samples them (``sample_rows``, each row its own seeded sampler), for each
+    kind in :data:`SAMPLING`; median ms and its fraction of the step (``step_ms``)."""
+    from paged_decode.runtime.sampling import Sampler, SamplingParams, sample_rows
+
+    logits = ours.logits(b)
+    out = {"b": b, "step_ms": step_ms, "ms": {}, "fraction": {}}
+    for kind, params in SAMPLING.items():
+        samplers = [Sampler(SamplingParams(seed=i, **params)) for i in range(b)]
+        ms = median_ms(lambda: sample_rows(samplers, logits), repeats, 0.0)
+        out["ms"][kind], out["fraction"][kind] = ms, ms / step_ms
+    return out
 
 
 def _roofs(cfg: dict) -> dict:
@@ -159,5 +186,7 @@ def run_batch(prepared, source, dtype: str, cfg: dict, lc, say, in_child, hf=Non
         say("  HF transformers batched generate (float32)")
         hf = in_child(_hf_batch_child, source, rows, cfg["context"], cfg["steps"])
     out = summarize(groups, hf if "skipped" not in hf else None)
+    top = max(rows)
+    sampling = host_sampling(ours, top, top / out["per_b"][top]["tps"] * 1e3, cfg["steps"])
     return {"context": cfg["context"], "rows": list(rows), "costs": costs, "groups": groups,
-            "hf_ms": hf, **out}
+            "hf_ms": hf, "host_sampling": sampling, **out}

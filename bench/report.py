@@ -164,6 +164,12 @@ def _batch_lines(report: dict) -> list[str]:
                 f"({row['bound']}) | {_cell(row['roof_fraction'])} | "
                 f"{_fmt(row.get('llama.cpp_tps'), 0)} | {_cell(row.get('vs_llamacpp'))} | "
                 f"{_cell(row.get('llama.cpp_roof_fraction'))} | {_fmt(row.get('hf_tps'), 0)} |")
+        host = r.get("host_sampling")
+        if host:
+            lines += ["", f"Host sampling per step at b = {host['b']} (one step's logits, each "
+                      "row its own seeded sampler, as the scheduler samples): " + ", ".join(
+                          f"{kind} {ms:.2f} ms ({host['fraction'][kind]:.1%} of the step)"
+                          for kind, ms in host["ms"].items()) + "."]
         if r["goals"]:
             lines += ["", "Goals: " + "; ".join(
                 f"{name} >= {g['goal']:g}: {g['got']:.2f} ({'met' if g['met'] else 'not met'})"

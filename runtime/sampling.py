@@ -3,6 +3,13 @@
 Order of the filters: scale by the temperature, keep the ``top_k`` most likely tokens, keep the
 smallest prefix of those (by probability) whose mass reaches ``top_p``, renormalise, draw.  Ties
 go to the lowest token id everywhere (argmax, the top-k boundary, the nucleus order).
+
+The weights ``exp((x - max) / temperature)`` are float32 (their exponential is six times faster
+than float64's, and float32 is what the model's logits carry); every sum over them is float64.
+A batch's rows go through :func:`sample_rows`: greedy rows take one ``argmax`` over the batch,
+each other row its own sampler, and no filter passes over the whole vocabulary more than it must
+(top-k narrows to the chunks that can hold the k largest before selecting; the nucleus to the
+tokens heavy enough to be in it).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from paged_decode.runtime.errors import SamplingError
 
 _NUCLEUS_EPS = 1e-9  # cumulative mass within this of top_p counts as reaching it (float rounding)
 _CHUNK = 1024  # entries per first-level bucket of the inverse-CDF draw
+_TOP_K_CHUNKS = 4  # chunk maxima per kept token when top-k narrows its search
+_NUCLEUS_SORT = 512  # candidates few enough to sort
 _BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 
@@ -70,7 +79,7 @@ class Sampler:
                                 "pass SamplingParams(temperature=..., top_k=..., top_p=...)")
         self.params = params
         self._rng = np.random.default_rng(params.seed)
-        self._work = np.empty(0)  # float64 [vocab_size], reused: fresh large arrays page-fault
+        self._work = np.empty(0, np.float32)  # [vocab_size], reused: fresh arrays page-fault
 
     def sample(self, logits: np.ndarray) -> int:
         """One token id from ``logits``: a 1-D float vector ``[vocab_size]`` (float32 usually)."""
@@ -78,10 +87,35 @@ class Sampler:
         if self.params.greedy:
             return int(np.argmax(x))  # first maximum = lowest id
         if len(self._work) != len(x):
-            self._work = np.empty(len(x))
+            self._work = np.empty(len(x), np.float32)
         ids, weights = _candidates(x, self.params, top, self._work)
         i = _draw(weights, self._rng.random())
         return i if ids is None else int(ids[i])
+
+
+def sample_rows(samplers: list, logits: np.ndarray) -> tuple[list[int], dict]:
+    """One token per row of ``logits`` ``[rows, vocab_size]``, row ``i`` drawn by
+    ``samplers[i]`` (each row's tokens are what that sampler alone would draw); returns the
+    tokens and ``{row: exception}`` for the rows that could not be sampled (their token is 0).
+    Every greedy row comes from one ``argmax`` over the batch."""
+    tokens, errors = [0] * len(samplers), {}
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    # a row's maximum is NaN or infinite where the row is unusable; masked -inf entries below
+    # a finite maximum are fine for argmax
+    rows = logits if len(greedy) == len(samplers) else logits[greedy]  # a copy: only if mixed
+    if greedy and np.isfinite(rows.max(axis=1)).all():
+        for i, t in zip(greedy, np.argmax(rows, axis=1).tolist()):
+            tokens[i] = t
+    else:
+        greedy = []  # non-finite logits: each sampler says which row (SamplingError)
+    done = set(greedy)
+    for i, sampler in enumerate(samplers):
+        if i not in done:
+            try:
+                tokens[i] = sampler.sample(logits[i])
+            except Exception as e:  # noqa: BLE001 - that row's failure (NaN logits...)
+                errors[i] = e
+    return tokens, errors
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams):
@@ -90,19 +124,20 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams):
     The order of ``ids`` is unspecified.
     """
     x, top = _checked_logits(logits)
-    ids, weights = _candidates(x, params, top, np.empty(len(x)))
-    return (np.arange(len(x)) if ids is None else ids), weights / weights.sum()
+    ids, weights = _candidates(x, params, top, np.empty(len(x), np.float32))
+    return ((np.arange(len(x)) if ids is None else ids),
+            weights.astype(np.float64) / weights.sum(dtype=np.float64))
 
 
 def _candidates(x: np.ndarray, params: SamplingParams, top: float, work: np.ndarray):
-    """``(ids, or None for the whole vocabulary; unnormalised float64 weights, max 1)``.
+    """``(ids, or None for the whole vocabulary; unnormalised float32 weights, max 1)``.
 
-    ``work`` (float64, ``len(x)``) receives the weights when no top-k applies.
+    ``work`` (float32, ``len(x)``) receives the weights when no top-k applies.
     """
     ids = _top_k_ids(x, params.top_k) if 0 < params.top_k < len(x) else None
-    weights = work if ids is None else np.empty(len(ids))
-    np.subtract(x if ids is None else x[ids], top, out=weights)
-    weights /= params.temperature  # exponent <= 0: no overflow at a tiny temperature
+    weights = work if ids is None else np.empty(len(ids), np.float32)
+    np.subtract(x if ids is None else x[ids], top, out=weights, casting="unsafe")
+    weights /= np.float32(params.temperature)  # exponent <= 0: no overflow at a tiny temperature
     np.exp(weights, out=weights)
     if params.top_p < 1:
         keep = _nucleus(weights, params.top_p)
@@ -111,7 +146,21 @@ def _candidates(x: np.ndarray, params: SamplingParams, top: float, work: np.ndar
 
 
 def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
-    """Ascending ids of the ``k`` largest entries; ties at the boundary go to the lowest ids."""
+    """Ascending ids of the ``k`` largest entries; ties at the boundary go to the lowest ids.
+
+    A large vocabulary is first narrowed to the entries at least the k-th largest of its chunk
+    maxima (k distinct entries reach that value, so it bounds the k-th largest from below): a
+    partition of the whole vocabulary costs ten times the two passes this takes."""
+    chunk = len(x) // (_TOP_K_CHUNKS * k)
+    if chunk >= 8:
+        maxima = np.maximum.reduceat(x, np.arange(0, len(x), chunk))
+        bound = np.partition(maxima, len(maxima) - k)[len(maxima) - k]
+        near = np.flatnonzero(x >= bound)  # ascending: ties keep their order
+        return near[_top_k_ids(x[near], k)] if len(near) < len(x) else _select(x, k)
+    return _select(x, k)
+
+
+def _select(x: np.ndarray, k: int) -> np.ndarray:
     threshold = np.partition(x, len(x) - k)[len(x) - k]
     above = np.flatnonzero(x > threshold)
     ties = np.flatnonzero(x == threshold)[: k - len(above)]
@@ -120,22 +169,48 @@ def _top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
 
 def _nucleus(weights: np.ndarray, top_p: float) -> np.ndarray:
     """Indices of the smallest set of highest weights (ties: lowest index) holding ``top_p`` of
-    the mass.  Lowers a cut by factors of 4: every band above the last one is wholly inside, so
-    only the last band is sorted."""
-    target = (top_p - _NUCLEUS_EPS) * weights.sum()
-    inside, inside_mass, upper, cut = [], 0.0, np.inf, float(weights.max())
-    while True:
-        band = np.flatnonzero((weights >= cut) & (weights < upper))
-        band_mass = float(weights[band].sum())
-        if cut == 0 or inside_mass + band_mass >= target:
+    the mass.
+
+    Only weights of at least half ``(1 - top_p) * total / len`` can be in it (all lighter ones
+    together hold under ``1 - top_p`` of the mass), usually a small part of the vocabulary."""
+    total = float(weights.sum(dtype=np.float64))
+    target = (top_p - _NUCLEUS_EPS) * total
+    heavy = np.flatnonzero(weights >= 0.5 * (1 - top_p) * total / len(weights))
+    if len(heavy) < len(weights):
+        return heavy[_nucleus_among(weights[heavy], target)]
+    return _nucleus_among(weights, target)
+
+
+def _nucleus_among(weights: np.ndarray, target: float) -> np.ndarray:
+    """Indices of the fewest highest float32 ``weights`` (ties: lowest index) reaching
+    ``target``.
+
+    A non-negative float32's bits, read as an integer, grow with its value: the top 16 bits
+    (exponent and 7 bits of mantissa) bucket the candidates by weight, 1 % apart.  The bucket
+    where the mass, heaviest first, crosses ``target`` is kept (all heavier ones are inside),
+    then split again by its low 16 bits, and what is left sorted: a flat distribution (most of
+    the vocabulary in the nucleus) costs a few passes, not a sort of the vocabulary."""
+    cand, w = np.arange(len(weights)), np.ascontiguousarray(weights, np.float32)
+    bits = w.view(np.int32)
+    inside, inside_mass = [], 0.0
+    for shift in (16, 0):
+        if len(cand) <= _NUCLEUS_SORT:
             break
-        inside.append(band)
-        inside_mass, upper = inside_mass + band_mass, cut
-        cut = cut / 4 if cut > 1e-300 else 0.0
-    order = band[np.argsort(-weights[band], kind="stable")]  # band ascends: ties keep low ids
-    cum = inside_mass + np.cumsum(weights[order])
+        key = bits >> shift
+        key -= key.min()
+        # float64 weights: bincount converts float32 ones on a path five times slower
+        mass = np.bincount(key, weights=w.astype(np.float64))
+        cum = inside_mass + np.cumsum(mass[::-1])  # heaviest first
+        j = min(int(np.searchsorted(cum, target)), len(cum) - 1)
+        bucket = len(cum) - 1 - j
+        inside.append(cand[key > bucket])
+        inside_mass = float(cum[j - 1]) if j else inside_mass
+        keep = key == bucket
+        cand, w, bits = cand[keep], w[keep], bits[keep]
+    order = np.argsort(-w, kind="stable")  # cand ascends: ties keep low ids
+    cum = inside_mass + np.cumsum(w[order], dtype=np.float64)
     n = min(int(np.searchsorted(cum, target)) + 1, len(order))
-    return np.concatenate(inside + [order[:n]])
+    return np.concatenate(inside + [cand[order[:n]]])
 
 
 def _draw(weights: np.ndarray, u: float) -> int:
@@ -144,9 +219,9 @@ def _draw(weights: np.ndarray, u: float) -> int:
     if len(weights) <= _CHUNK:
         return _pick(weights, u)[0]
     n_full = len(weights) // _CHUNK * _CHUNK
-    sums = weights[:n_full].reshape(-1, _CHUNK).sum(axis=1)
+    sums = weights[:n_full].reshape(-1, _CHUNK).sum(axis=1, dtype=np.float64)
     if n_full < len(weights):
-        sums = np.append(sums, weights[n_full:].sum())
+        sums = np.append(sums, weights[n_full:].sum(dtype=np.float64))
     j, u_inner = _pick(sums, u)
     return j * _CHUNK + _pick(weights[j * _CHUNK:(j + 1) * _CHUNK], u_inner)[0]
 
@@ -154,7 +229,7 @@ def _draw(weights: np.ndarray, u: float) -> int:
 def _pick(weights: np.ndarray, u: float) -> tuple[int, float]:
     """``(i, v)``: inverse CDF of ``weights`` at ``u``; ``v`` in [0, 1) is where ``u`` fell inside
     entry ``i`` (uniform again, for a second-level draw).  Never returns a zero-weight entry."""
-    cdf = np.cumsum(weights)
+    cdf = np.cumsum(weights, dtype=np.float64)
     target = u * cdf[-1]
     i = int(np.searchsorted(cdf, target, side="right"))
     if i >= len(weights):  # u * total rounded up to the total

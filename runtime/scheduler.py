@@ -35,7 +35,7 @@ from .checks import check_stop_ids, is_int
 from .errors import CapacityError, InputError, OutOfBlocksError
 from .kv_pool import PagedKVCache, SessionHandle
 from .prefix_cache import PrefixCache
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, sample_rows
 from .session import check_prompt
 from .step import BatchDecodeSession
 
@@ -376,23 +376,16 @@ class Scheduler:
 
     @staticmethod
     def _sample(rows: list[Request], logits: np.ndarray, errors: dict) -> list[int]:
-        """One token per row: every greedy row from one ``argmax`` over the batch, the others
-        through their own seeded sampler; a row that cannot be sampled goes into ``errors``."""
-        greedy = [i for i, r in enumerate(rows) if r.sampler.params.greedy]
+        """One token per row (:func:`~.sampling.sample_rows`); a row that cannot be sampled
+        goes into ``errors``."""
+        live = [i for i in range(len(rows)) if i not in errors]
         tokens = [0] * len(rows)
-        # a row's maximum is NaN or infinite where the row is unusable; masked -inf entries
-        # below a finite maximum are fine for argmax
-        if greedy and np.isfinite(logits[greedy].max(axis=1)).all():
-            for i, t in zip(greedy, np.argmax(logits[greedy], axis=1)):
-                tokens[i] = int(t)
-        else:
-            greedy = []  # non-finite logits: each sampler says which row (SamplingError)
-        for i, r in enumerate(rows):
-            if i not in greedy and i not in errors:
-                try:
-                    tokens[i] = r.sampler.sample(logits[i])
-                except Exception as e:  # noqa: BLE001 - that row's failure (NaN logits...)
-                    errors[i] = e
+        got, failed = sample_rows([rows[i].sampler for i in live],
+                                  logits if len(live) == len(rows) else logits[live])
+        for j, i in enumerate(live):
+            tokens[i] = got[j]
+            if j in failed:
+                errors[i] = failed[j]
         return tokens
 
     def _fail(self, req: Request, error: Exception) -> None:

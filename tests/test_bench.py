@@ -322,6 +322,11 @@ def _check_batch_section(report: dict, md: str) -> None:
     assert ("skipped" in run["llama.cpp"]) != ("vs_llamacpp" in run["per_b"]["1"])
     assert ("skipped" in run["hf_ms"]) != ("hf_tps" in run["per_b"]["1"])
     assert run["goals"] == {}  # the quick rows reach none of the goals' b
+    host = run["host_sampling"]  # sampling one step's logits at the largest b
+    assert host["b"] == 2 and host["step_ms"] == pytest.approx(2 / run["per_b"]["2"]["tps"] * 1e3)
+    assert set(host["ms"]) == set(bench.batch.SAMPLING) and all(v > 0 for v in host["ms"].values())
+    assert host["fraction"]["greedy"] == pytest.approx(host["ms"]["greedy"] / host["step_ms"])
+    assert "Host sampling per step at b = 2" in md
     assert "Batched decode, tiny float32" in md
     assert f"| 2 | {run['per_b']['2']['tps']:.0f} | " in md
 

@@ -192,3 +192,66 @@ def test_nucleus_over_a_flat_large_vocab():
     ids, _ = filtered_probs(logits, params)
     assert sorted(ids.tolist()) == list(range(len(ids))) and len(ids) > 10
     assert set(ids.tolist()) == reference_candidates(logits, params)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_top_k_over_a_large_vocab_matches_reference(seed):
+    """Vocabularies large enough that top-k first narrows to the chunks holding the largest:
+    heavy ties at the boundary (coarse logits), masked tokens, k from 1 to a sixteenth."""
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        vocab = int(rng.integers(2000, 60000))
+        logits = rng.integers(-30, 31, size=vocab).astype(np.float32) * np.float32(0.25)
+        logits[rng.random(vocab) < rng.choice([0.0, 0.5, 0.99])] = -np.inf
+        logits[int(rng.integers(vocab))] = 1.0
+        params = SamplingParams(temperature=1.0, top_k=int(rng.choice([1, 7, 40, vocab // 16])))
+        ids, probs = filtered_probs(logits, params)
+        finite = int(np.isfinite(logits).sum())
+        assert len(ids) == params.top_k
+        if finite >= params.top_k:
+            assert set(ids.tolist()) == reference_candidates(logits, params), (vocab, params)
+        assert math.isclose(probs.sum(), 1.0)
+
+
+def test_a_batch_draws_what_each_sampler_draws_alone():
+    """``sample_rows`` (the scheduler's step) gives each row the token its own sampler would
+    draw from that row alone, greedy and sampled rows mixed; a NaN row fails alone."""
+    from paged_decode.runtime.sampling import sample_rows
+
+    rng = np.random.default_rng(6)
+    kinds = [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
+             SamplingParams(temperature=1.0, top_k=40, seed=2),
+             SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+             SamplingParams(temperature=1.2, top_k=100, top_p=0.8, seed=4)]
+    params = [kinds[i % len(kinds)] for i in range(13)]
+    batch, alone = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    for step in range(20):
+        logits = (rng.standard_normal((13, 5000)) * 2).astype(np.float32)
+        if step == 7:
+            logits[3, 17] = np.nan
+        tokens, errors = sample_rows(batch, logits)
+        for i, sampler in enumerate(alone):
+            if step == 7 and i == 3:
+                assert set(errors) == {3} and "NaN" in str(errors[3])
+                continue
+            assert tokens[i] == sampler.sample(logits[i]), (step, i)
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_nucleus_over_a_large_vocab_matches_reference(seed):
+    """Vocabularies large enough for the nucleus to narrow by weight buckets before sorting:
+    flat and peaked rows, exact ties (coarse logits), masked tokens."""
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        vocab = int(rng.integers(2000, 60000))
+        spread = float(rng.choice([0.05, 0.3, 2.0, 6.0]))
+        logits = (rng.standard_normal(vocab) * spread).astype(np.float32)
+        if rng.random() < 0.5:
+            logits = np.round(logits * 4) / 4  # many exact ties
+        logits[rng.random(vocab) < rng.choice([0.0, 0.3])] = -np.inf
+        logits[int(rng.integers(vocab))] = 1.0
+        params = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.5])),
+                                top_p=float(rng.choice([0.3, 0.9, 0.99])))
+        ids, probs = filtered_probs(logits, params)
+        assert set(ids.tolist()) == reference_candidates(logits, params), (vocab, spread, params)
+        assert math.isclose(probs.sum(), 1.0)
