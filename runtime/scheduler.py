@@ -288,8 +288,11 @@ class Scheduler:
             try:
                 logits = self.session._single.prefill(req.handle, chunk)
             except OutOfBlocksError as e:
-                if not (self._make_room(e.requested) or self._preempt(keep=req)):
+                if self._make_room(e.requested):
+                    continue
+                if len(self.running) == 1:  # it alone, and no cached block to evict
                     raise
+                self._preempt()  # the newest: another, or this one back to the queue
                 continue
             del req.pending[:len(chunk)]
             budget -= len(chunk)
@@ -301,8 +304,10 @@ class Scheduler:
 
     def _fork_waiting(self, head: Request) -> list[Request]:
         """The continuations of ``head`` still waiting, now running on forks of its sequence
-        (from here on each is a request like any other)."""
-        forks = self._unforked(head)
+        (from here on each is a request like any other), as many as ``max_running`` leaves
+        room for: the others wait their turn and prefill the prompt then (from the prefix
+        cache, while it holds the prompt's blocks)."""
+        forks = self._unforked(head)[:max(self.max_running - len(self.running), 0)]
         for r in forks:
             self.waiting.remove(r)
             r.handle, r.fork_of, r.hashes = head.handle.fork(), None, list(head.hashes)
@@ -326,13 +331,12 @@ class Scheduler:
             return self._emit(rows, logits)
         return []
 
-    def _preempt(self, keep: Request | None = None) -> Request | None:
+    def _preempt(self) -> Request | None:
         """Free the newest running request's blocks and queue it first for recompute; None when
-        no other request runs (``keep`` is the one that needs the blocks)."""
-        victims = [r for r in self.running if r is not keep]
-        if not victims:
+        nothing runs."""
+        if not self.running:
             return None
-        victim = victims[-1]
+        victim = self.running[-1]
         self.running.remove(victim)
         self._cache_written(victim)  # its recompute finds them, unless evicted by then
         victim.handle.release()

@@ -81,6 +81,25 @@ def test_preemption_under_a_small_pool_finishes_every_request_unchanged(tiny):
     pool.allocator.check_invariants()
 
 
+def test_a_prefill_short_of_blocks_preempts_the_newest_request_not_an_older_one(tiny):
+    """First come, first served: the request that arrived last gives its blocks back, even
+    when it is the one prefilling and short of blocks; the older one decodes on untouched."""
+    pool = make_pool(tiny[0], 9)
+    sched = Scheduler(*tiny, pool, prefill_budget=4)
+    old = sched.add([5, 6], max_tokens=30)
+    for _ in range(8):
+        sched.step()
+    new_prompt = list(range(2, 22))  # admitted with 6 of the 9 blocks free; the older grows
+    new = sched.add(new_prompt, max_tokens=4)
+    for _ in range(300):
+        if not sched.has_work:
+            break
+        sched.step()
+    assert old.preemptions == 0 and new.preemptions >= 1
+    assert [old.tokens, new.tokens] == _solo(tiny, [([5, 6], 30), (new_prompt, 4)])
+    assert _all_free(sched)
+
+
 def test_a_long_prompt_prefills_in_chunks_without_stalling_others(tiny):
     pool = make_pool(tiny[0], 60)
     sched = Scheduler(*tiny, pool, prefill_budget=4)
@@ -308,6 +327,32 @@ def test_forks_share_the_prompt_and_each_equals_its_seeded_solo_run(tiny):
     assert len({tuple(r.tokens) for r in group}) > 1
     assert _all_free(sched)
     pool.allocator.check_invariants()
+
+
+def test_a_group_of_forks_larger_than_max_running_runs_in_turns(tiny):
+    """n = 5 continuations with room for 2 at a time: never more than 2 run, the ones that
+    wait prefill the prompt from the prefix cache later, each equals its seeded solo run."""
+    import dataclasses
+
+    prompt = [9] * 10
+    pool = make_pool(tiny[0], 40)
+    sched = Scheduler(*tiny, pool, max_running=2)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=3)
+    group = sched.add_forks(prompt, 5, max_tokens=6, sampling=params)
+    most = 0
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        sched.step()
+        most = max(most, len(sched.running))
+    assert most == 2 and all(r.finish_reason == "length" for r in group)
+    assert sched.cache.tokens_saved >= 2 * 8  # later turns reused the prompt's two full blocks
+    gen = Generator(*tiny, make_pool(tiny[0], 20))
+    for i, req in enumerate(group):
+        solo = gen.generate(prompt, max_new_tokens=6,
+                            sampling=dataclasses.replace(params, seed=3 + i))
+        assert req.tokens == solo, i
+    assert _all_free(sched)
 
 
 def test_greedy_forks_cancelled_head_and_preemption(tiny):
