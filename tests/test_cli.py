@@ -228,3 +228,14 @@ def test_readme_batching_example_runs(artifact_root, monkeypatch, capsys):
     exec(compile(first, "README.md", "exec"), scope)
     exec(compile(batch.split("```", 1)[0], "README.md", "exec"), scope)
     assert len(scope["texts"]) == 2 and scope["stream"].finish_reason in ("stop", "length")
+
+
+def test_weight_format_choices_are_the_registrys():
+    """Every command that builds offers exactly the weight policies the build side knows (a
+    format added to the registry appears in the CLI, one removed disappears)."""
+    from paged_decode.cli import serve_cmd
+    from paged_decode.compile.weights import WEIGHT_POLICIES
+
+    for cmd in (compile_cmd, run_cmd, serve_cmd):
+        (opt,) = [p for p in cmd.params if p.name == "weight_dtype"]
+        assert list(opt.type.choices) == list(WEIGHT_POLICIES), cmd.name
