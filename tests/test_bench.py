@@ -387,3 +387,34 @@ def test_fma_peak_kernel_runs_every_chain():
             want[c] += x
     np.testing.assert_array_equal(out.numpy(), want)
     assert roofs.measure_fma_peak(repeats=3) > 0
+
+
+def test_serve_section_loads_the_server_and_replays_a_trace(tmp_path, artifact_root, llama_ckpt,
+                                                            monkeypatch):
+    """``--section serve --quick``: paged-serve on an HF checkpoint under 1 and 4 streaming
+    clients and a 6-request Poisson trace, each with tokens/s and TTFT / ITL percentiles; a
+    preset (no tokenizer) and ``gguf`` of a non-GGUF model are skipped with the reason."""
+    monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))  # the server's builds
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(bench_cmd, [
+        "--model", str(llama_ckpt.path), "--model", "tiny", "--quick", "--dtype", "float32",
+        "--dtype", "gguf", "--section", "serve", "--out", str(out),
+        "--artifacts", str(artifact_root)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    name = llama_ckpt.path.name  # a model given as a path is named by its folder
+    runs = {(r["model"], r["dtype"]): r for r in report["serve_runs"]}
+    assert sorted(runs) == sorted([(name, "float32"), (name, "gguf"), ("tiny", "float32"),
+                                   ("tiny", "gguf")])
+    assert "not a GGUF" in runs[name, "gguf"]["skipped"]
+    assert "no tokenizer" in runs["tiny", "float32"]["skipped"]
+    served = runs[name, "float32"]
+    loads = served["result"]["paged-serve"]
+    assert sorted(loads) == ["1", "4"] and all(s["tokens_per_s"] > 0 for s in loads.values())
+    trace = served["trace"]["paged-serve"]
+    assert 0 < trace["ttft_ms_p50"] <= trace["ttft_ms_p99"]
+    assert 0 < trace["itl_ms_p50"] <= trace["itl_ms_p99"]
+    assert "no GGUF" in served["meta"]["llama.cpp_skipped"]
+    assert (out / f"serve-{name}-float32" / "serve.json").is_file()
+    md = (out / "bench.md").read_text()
+    assert "Poisson trace: 6 requests" in md and "Serving, tiny float32: skipped" in md
