@@ -28,6 +28,7 @@ _CHUNK = 1024  # entries per first-level bucket of the inverse-CDF draw
 _TOP_K_CHUNKS = 4  # chunk maxima per kept token when top-k narrows its search
 _NUCLEUS_SORT = 512  # candidates few enough to sort
 _BELOW_ONE = float(np.nextafter(1.0, 0.0))
+_F32_TINY = np.finfo(np.float32).tiny
 
 
 def _is_real(value) -> bool:
@@ -137,7 +138,10 @@ def _candidates(x: np.ndarray, params: SamplingParams, top: float, work: np.ndar
     ids = _top_k_ids(x, params.top_k) if 0 < params.top_k < len(x) else None
     weights = work if ids is None else np.empty(len(ids), np.float32)
     np.subtract(x if ids is None else x[ids], top, out=weights, casting="unsafe")
-    weights /= np.float32(params.temperature)  # exponent <= 0: no overflow at a tiny temperature
+    # exponents <= 0: a tiny temperature sends them to -inf (weight 0), never to +inf; one
+    # below float32's range divides as its smallest normal (not by 0: the maximum's 0 / 0)
+    with np.errstate(over="ignore"):
+        weights /= max(np.float32(params.temperature), _F32_TINY)
     np.exp(weights, out=weights)
     if params.top_p < 1:
         keep = _nucleus(weights, params.top_p)

@@ -106,8 +106,10 @@ def test_minus_inf_logits_are_never_drawn():
     assert observed[1] == observed[3] == 0 and observed[0] > 0 and observed[2] > 0
 
 
-def test_tiny_temperature_does_not_overflow():
-    sampler = Sampler(SamplingParams(temperature=1e-30, seed=0))
+@pytest.mark.filterwarnings("error")  # no division by zero, no NaN weights on the way
+@pytest.mark.parametrize("temperature", [1e-30, 1e-46, 1e-300])  # 1e-46: 0 as a float32
+def test_tiny_temperature_does_not_overflow(temperature):
+    sampler = Sampler(SamplingParams(temperature=temperature, seed=0))
     assert all(sampler.sample(LOGITS) == 7 for _ in range(20))
 
 
