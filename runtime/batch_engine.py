@@ -187,7 +187,7 @@ class BatchEngine:
 
     def submit_n(self, prompt: str | Sequence[int], n: int, *, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 stop_token_ids: Sequence[int] = (), chat: bool = False, top_logprobs: int | None = None, constraint=None,
+                 stop_token_ids: Sequence[int] | None = (), chat: bool = False, top_logprobs: int | None = None, constraint=None,
                  listener: Listener | None = None) -> list[RequestStream]:
         """``n`` continuations of one prompt, prefilled once and sharing its KV blocks
         (``Scheduler.make_forks``: continuation ``i`` samples with ``seed + i``).
@@ -204,7 +204,8 @@ class BatchEngine:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
-        stop_ids = set(self.tokenizer.eos_ids) | check_stop_ids(stop_token_ids, "stop_token_ids")
+        stop_ids = set(self.tokenizer.eos_ids) | check_stop_ids(
+            () if stop_token_ids is None else stop_token_ids, "stop_token_ids")
         group = self.scheduler.make_forks(self._encode(prompt, chat), n, max_new_tokens,
                                           sampling, stop_ids,
                                           top_logprobs=top_logprobs, constraint=constraint)

@@ -235,7 +235,10 @@ class Scheduler:
             room = self.max_running - len(self.running) - 1 - len(forks)
             cached = self.cache.peek(req.pending) if self.cache is not None else 0
             need = self._blocks_for(req) - cached + len(forks)  # + a copy of the last block
-
+            # and a block of headroom per running sequence: admitted into the last free
+            # blocks, a request is preempted as soon as one of them grows (its recompute
+            # bought one token), and readmitted into the blocks it freed
+            need += len(self.running)
             if need > self.pool.num_free:
                 self._make_room(need - self.pool.num_free)
             if self.running and (room < 0 or need > self.pool.num_free):
@@ -298,7 +301,8 @@ class Scheduler:
             budget -= len(chunk)
             self._cache_written(req, new_only=True)
             if not req.pending:
-                group = [req] + self._fork_waiting(req)
+                # a head recomputed after a preemption holds its own tokens past the prompt
+                group = [req] + (self._fork_waiting(req) if not req.tokens else [])
                 out += self._emit(group, np.repeat(logits[None], len(group), axis=0))
         return out
 

@@ -74,6 +74,11 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
             raise
         raise PoolConfigError(f"--kv-cache-gb {kv_cache_gb:g} is too small: {e} (paged-serve "
                               "--block-size)") from e
+    held = engine.pool.num_blocks * engine.pool.block_size
+    if held < engine.artifact.max_tokens:
+        log.warning("--kv-cache-gb %g holds %d tokens, less than one sequence of this model's "
+                    "context (%d): a request gets at most that many, prompt and output",
+                    kv_cache_gb, held, engine.artifact.max_tokens)
     if chat_template is not None:
         engine.tokenizer.set_chat_template(chat_template)
     return engine

@@ -201,26 +201,42 @@ class _Server:
             raise APIError(400, str(e)) from e
         return {"chat": chat, "model": self.model_name, "n": body.n, "prompts": prompts,
                 "max_tokens": [self._max_tokens(p, max_tokens, field, chat) for p in prompts],
-                "sampling": sampling, "stop": stop, "stop_ids": body.stop_token_ids or [],
+                "sampling": sampling, "stop": stop, "stop_ids": self._stop_ids(body),
                 "top_logprobs": top,
                 "grammar": await self._grammar(body.response_format),
                 "include_usage": bool(body.stream_options and body.stream_options.include_usage),
                 "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
                 "created": int(time.time())}
 
+    def _stop_ids(self, body: SamplingBody) -> list[int]:
+        vocab = self.engine.artifact.manifest.vocab_size
+        ids = body.stop_token_ids or []
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids: {bad[0]} is not a token id of this model "
+                           f"(0 to {vocab - 1})", "stop_token_ids")
+        return ids
+
     def _max_tokens(self, prompt: list[int], asked: int | None, field: str, chat: bool) -> int:
-        cap = self.engine.artifact.max_tokens
+        """The request's max_tokens: what it asked, or all that fits when it did not; a
+        sequence fits both the model's context and the KV pool (``--kv-cache-gb`` may hold
+        less than one full-length sequence)."""
+        pool = self.engine.pool
+        context = self.engine.artifact.max_tokens
+        cap = min(context, pool.num_blocks * pool.block_size)
+        holder = (f"this model's context is {cap}" if cap == context else
+                  f"this server's KV cache holds {cap} (--kv-cache-gb)")
         where = "messages" if chat else "prompt"
         if len(prompt) > cap:
-            raise APIError(400, f"{where}: {len(prompt)} tokens, and this model's context is "
-                           f"{cap} tokens; shorten it", where)
+            raise APIError(400, f"{where}: {len(prompt)} tokens, and {holder} tokens; shorten "
+                           "it", where)
         room = cap - len(prompt) + 1  # the last generated token needs no KV slot
         if asked is None:
             return room
         if asked > room:
             raise APIError(400, f"{field}: {asked} tokens after a {len(prompt)}-token "
-                           f"{where} exceed this model's context of {cap} tokens; at most "
-                           f"{room} fit", field)
+                           f"{where} exceed what fits, {holder} tokens; at most {room} fit",
+                           field)
         return asked
 
     async def _grammar(self, fmt):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from paged_decode.runtime.scheduler import MAX_TOP_LOGPROBS
 
@@ -59,7 +59,8 @@ class SamplingBody(_Body):
     top_k: Annotated[int, Field(ge=-1)] = -1  # an extension (vLLM's): -1 or 0 keeps all
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # an extension (vLLM's): ids that end the output
+    # an extension (vLLM's): ids that end the output; strict: true / "5" / 5.0 are not ids
+    stop_token_ids: list[StrictInt] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -84,12 +84,12 @@ def test_preemption_under_a_small_pool_finishes_every_request_unchanged(tiny):
 def test_a_prefill_short_of_blocks_preempts_the_newest_request_not_an_older_one(tiny):
     """First come, first served: the request that arrived last gives its blocks back, even
     when it is the one prefilling and short of blocks; the older one decodes on untouched."""
-    pool = make_pool(tiny[0], 9)
+    pool = make_pool(tiny[0], 8)
     sched = Scheduler(*tiny, pool, prefill_budget=4)
     old = sched.add([5, 6], max_tokens=30)
-    for _ in range(8):
+    for _ in range(2):
         sched.step()
-    new_prompt = list(range(2, 22))  # admitted with 6 of the 9 blocks free; the older grows
+    new_prompt = list(range(2, 22))  # admitted with room for its prompt; the older grows
     new = sched.add(new_prompt, max_tokens=4)
     for _ in range(300):
         if not sched.has_work:
@@ -97,6 +97,26 @@ def test_a_prefill_short_of_blocks_preempts_the_newest_request_not_an_older_one(
         sched.step()
     assert old.preemptions == 0 and new.preemptions >= 1
     assert [old.tokens, new.tokens] == _solo(tiny, [([5, 6], 30), (new_prompt, 4)])
+    assert _all_free(sched)
+
+
+def test_admission_leaves_the_running_sequences_room_to_grow(tiny):
+    """A request is admitted only with a block to spare per running sequence: admitted into
+    the last free blocks it would be preempted as soon as the older one grows (a recompute for
+    one token), readmitted into the blocks it freed, and preempted again."""
+    pool = make_pool(tiny[0], 5)
+    sched = Scheduler(*tiny, pool)
+    old = sched.add([5, 6, 7], max_tokens=12)
+    for _ in range(4):
+        sched.step()
+    new_prompt = list(range(2, 10))
+    new = sched.add(new_prompt, max_tokens=3)
+    for _ in range(300):
+        if not sched.has_work:
+            break
+        sched.step()
+    assert sched.preemptions == 0
+    assert [old.tokens, new.tokens] == _solo(tiny, [([5, 6, 7], 12), (new_prompt, 3)])
     assert _all_free(sched)
 
 
@@ -240,6 +260,8 @@ def test_stop_token_ids_end_the_stream_without_their_text(engines):
     text = stream.text()
     assert stream.tokens == tokens[:cut + 1] and stream.finish_reason == "stop"
     assert text == "".join(solo.stream_ids_text(ids, max_new_tokens=cut))
+    none = batch.submit("hello", max_new_tokens=16, stop_token_ids=None)  # as () does
+    assert none.text() == "".join(solo.stream_ids_text(ids, max_new_tokens=16))
     for bad, match in (([1.5], r"stop_token_ids: 1\.5 is a float"),
                        (7, r"stop_token_ids=7: must be an iterable")):
         with pytest.raises(InputError, match=match):

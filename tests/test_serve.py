@@ -236,6 +236,26 @@ def test_stop_token_ids_end_the_text_before_their_token(model):
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut + 1
 
 
+def test_a_pool_smaller_than_the_context_bounds_what_a_request_gets(build):
+    """A KV pool of fewer tokens than the model's context: a request without max_tokens gets
+    what the pool holds (not a 400 about a max_tokens it never sent); one asking for more is a
+    400 naming max_tokens and the KV cache."""
+    small = Served(build("tiny", **OPTS), "tiny", num_blocks=3)
+    try:
+        held = 3 * small.engine.pool.block_size
+        assert held < small.engine.artifact.max_tokens
+        prompt = small.solo.encode_prompt("hello")
+        r = small.client.completions.create(model="tiny", prompt="hello", temperature=0)
+        assert r.usage.completion_tokens <= held - len(prompt) + 1
+        assert r.choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(openai.BadRequestError) as err:
+            small.client.completions.create(model="tiny", prompt="hello", max_tokens=held)
+        assert err.value.body["param"] == "max_tokens"  # the client unwraps "error"
+        assert "--kv-cache-gb" in err.value.body["message"]
+    finally:
+        small.close()
+
+
 def test_logprobs_match_the_models_own_distribution(tiny):
     """The first token's log-probabilities against a log-softmax (float64 numpy) of the logits
     an independent B = 1 session computes for the same prompt."""
@@ -553,6 +573,10 @@ BAD = [  # (body changes, the param the error names)
     ({"prompt": ""}, "prompt"),  # no tokens: the tiny model adds no BOS
     ({"prompt": [1, 99999]}, "prompt"),
     ({"stop": ["ok", 3]}, "stop[1]"),
+    ({"stop_token_ids": [True]}, "stop_token_ids[0]"),  # not silently token 1
+    ({"stop_token_ids": ["5"]}, "stop_token_ids[0]"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"stop": [""]}, "stop"),
     ({"seed": -1}, "seed"),
     ({"logprobs": 21}, "logprobs"),
