@@ -227,7 +227,8 @@ def measure(servers: list[Server], concurrencies, per_client: int, max_tokens: i
 
 
 def markdown(result: dict, meta: dict) -> str:
-    lines = [f"Serving load: {meta['model']} {meta['paged_args']}, {meta['max_tokens']} "
+    args = f" {meta['paged_args']}" if meta["paged_args"] else ""
+    lines = [f"Serving load: {meta['model']}{args}, {meta['max_tokens']} "
              "tokens per completion, "
              f"{meta['per_client']} completions per client per round, {meta['rounds']} rounds "
              f"(median tokens/s; latencies pooled over rounds). CPU: {meta['cpu']}."

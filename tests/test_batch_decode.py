@@ -141,18 +141,23 @@ def test_a_rejected_step_changes_no_sequence(bad, load):
     pool.allocator.check_invariants()
 
 
-@pytest.mark.parametrize("dtype,rows", [("float16", 8), ("q4_0", 8), ("q4_0", 4)])
-def test_batched_logits_track_solo_ones(load, dtype, rows):
+@pytest.mark.parametrize("source,dtype,rows", [
+    ("tiny", "float16", 8), ("tiny", "q4_0", 8), ("tiny", "q4_0", 4),
+    ("llama_ckpt", "float16", 16), ("qwen2_ckpt", "float16", 4)])
+def test_batched_logits_track_solo_ones(load, request, source, dtype, rows):
     """Half-precision weights and cache, or Q4_0 weights: each row of a batched step against the
     same sequence decoded alone (B = 1, its own pool), fed the same tokens, within the float16
     tolerance, or, Q4_0 (on the CPU its rows interleaved by 8, whose buckets all take the int8
     tiles: the GEMVs' arithmetic, summed in another order), QUANT_BATCH_RTOL of the largest
-    logit."""
+    logit.  float16 on the Llama and Qwen2 (bias, tied) checkpoints too: six rows in a 16-row
+    bucket (the matmul tiles), four in a 4-row one (the small-batch GEMVs)."""
     opts = (dict(weight_dtype="float16", cache_dtype="float16") if dtype == "float16"
             else dict(weight_dtype=dtype))
-    # one bucket is enough here (float16 runs the small-batch GEMVs, Q4_0 the int8 tiles); the
-    # default set is built and checked in float32 above
-    artifact, weights = load("tiny", **opts, **dict(OPTS, batch_buckets=(rows,)))
+    if source != "tiny":
+        source = request.getfixturevalue(source).path
+    # one bucket is enough here (float16 runs the small-batch GEMVs or the matmul tiles, Q4_0
+    # the int8 tiles); the default set is built and checked in float32 above
+    artifact, weights = load(source, **opts, **dict(OPTS, batch_buckets=(rows,)))
     vocab = artifact.manifest.vocab_size
     live = min(rows, 6)
     prompts = _prompts(live, vocab)
