@@ -57,21 +57,23 @@ class OursBatched:
             for h, ids in zip(self.seqs, prompts):
                 self.session._single.prefill(h, ids[start:start + m.block_size])
 
+    def _rewind(self, b: int) -> None:
+        for h in self.seqs[:b]:
+            h.truncate_to(self.context - 1)
+
     def logits(self, b: int) -> np.ndarray:
         """One step's logits ``[b, vocab_size]`` (the sequences stay as they were)."""
         try:
             return self.session.step(self.seqs[:b], [1] * b)
         finally:
-            for h in self.seqs[:b]:
-                h.truncate_to(self.context - 1)
+            self._rewind(b)
 
     def step_ms(self, b: int, steps: int, warmup_s: float) -> float:
         handles, tokens = self.seqs[:b], [1] * b
         try:
             return median_ms(lambda: self.session.step(handles, tokens), steps, warmup_s)
         finally:
-            for h in handles:
-                h.truncate_to(self.context - 1)
+            self._rewind(b)
 
 
 def host_sampling(ours: OursBatched, b: int, step_ms: float, repeats: int) -> dict:

@@ -446,8 +446,14 @@ def _run_batch(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts
     hf_by_model.setdefault(model, res["hf_ms"])
     res["llama.cpp"] = {"skipped": lc_skip} if lc is None else {
         "n_seq_max": max(bcfg["rows"]), "kv_unified": False}
+    return {**_run_names(model, dtype), **res}
+
+
+def _run_names(model: str, dtype: str) -> dict:
+    """A run's model and dtype: tables name a model given as a path by its file or folder
+    name; the path stays in JSON (``model_arg``)."""
     return {"model": Path(model).name if os.sep in model else model, "model_arg": model,
-            "dtype": dtype, **res}
+            "dtype": dtype}
 
 
 def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, say,
@@ -533,9 +539,7 @@ def _run_one(model: str, source: ModelSource, dtype: str, cfg: dict, artifacts, 
             "prefill": {p: spread([o / lt for o, lt in zip(o_pre[p], l_pre[p])])
                         for p in cfg["prompts"]}}
     baselines_out["hf-eager"] = _hf(source, dtype, cfg, say)
-    # tables name a model given as a path by its file or folder name; the path stays in JSON
-    return {"model": Path(model).name if os.sep in model else model, "model_arg": model,
-            "dtype": dtype, "block_size": m.block_size,
+    return {**_run_names(model, dtype), "block_size": m.block_size,
             "bandwidth_gbps": float(np.median(bw)),
             "bandwidth_samples": bw, "regime_split_gbps": split, "pairs": pairs, "ours": res,
             "floor_ms": {c: b / (np.median(bw) * 1e9) * 1e3 for c, b in bpt.items()},
@@ -549,25 +553,23 @@ def _run_serve(model: str, source: ModelSource, dtype: str, quick: bool, out_dir
     ``gguf``), concurrent clients and a Poisson trace; its files in ``serve-<model>-<dtype>``."""
     from . import serve
 
-    name = Path(model).name if os.sep in model else model
+    run = _run_names(model, dtype)
     if dtype not in ("float32", "float16", "gguf"):
-        return {"model": name, "model_arg": model, "dtype": dtype,
-                "skipped": "the serving section runs float32, float16 or gguf (the model's own "
-                           "GGUF file natively)"}
+        return {**run, "skipped": "the serving section runs float32, float16 or gguf (the "
+                                  "model's own GGUF file natively)"}
     if source.kind == "preset":
-        return {"model": name, "model_arg": model, "dtype": dtype,
-                "skipped": "a preset has no tokenizer to serve text with: give an HF model "
-                           "directory or a GGUF file"}
+        return {**run, "skipped": "a preset has no tokenizer to serve text with: give an HF "
+                                  "model directory or a GGUF file"}
     if dtype == "gguf" and source.kind != "gguf":
-        return {"model": name, "model_arg": model, "dtype": dtype,
-                "skipped": "gguf: the model is not a GGUF file"}
+        return {**run, "skipped": "gguf: the model is not a GGUF file"}
     gguf = str(source.path) if source.kind == "gguf" else None
     args = ["--weight-dtype", dtype, "--cache-dtype", dtype] if dtype != "gguf" else []
     cfg = serve.QUICK if quick else serve.FULL
-    say(f"  serving: paged-serve {' '.join(args)} (llama.cpp {'on ' + gguf if gguf else 'skipped'})")
-    res = serve.run_serving(model, out_dir / f"serve-{name}-{dtype}", gguf=gguf,
+    say(f"  serving: paged-serve {' '.join(args)} "
+        f"(llama.cpp {'on ' + gguf if gguf else 'skipped'})")
+    res = serve.run_serving(model, out_dir / f"serve-{run['model']}-{dtype}", gguf=gguf,
                             paged_args=args, say=lambda m: say("  " + m), **cfg)
-    return {"model": name, "model_arg": model, "dtype": dtype, **res}
+    return {**run, **res}
 
 
 def _in_child(fn, *args):

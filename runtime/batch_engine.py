@@ -187,7 +187,8 @@ class BatchEngine:
 
     def submit_n(self, prompt: str | Sequence[int], n: int, *, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 stop_token_ids: Sequence[int] | None = (), chat: bool = False, top_logprobs: int | None = None, constraint=None,
+                 stop_token_ids: Sequence[int] | None = (), chat: bool = False,
+                 top_logprobs: int | None = None, constraint=None,
                  listener: Listener | None = None) -> list[RequestStream]:
         """``n`` continuations of one prompt, prefilled once and sharing its KV blocks
         (``Scheduler.make_forks``: continuation ``i`` samples with ``seed + i``).
