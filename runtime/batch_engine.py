@@ -205,7 +205,8 @@ class BatchEngine:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
         if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
-        stop_ids = set(self.tokenizer.eos_ids) | check_stop_ids(
+        ignore_eos = isinstance(sampling, SamplingParams) and sampling.ignore_eos
+        stop_ids = set(() if ignore_eos else self.tokenizer.eos_ids) | check_stop_ids(
             () if stop_token_ids is None else stop_token_ids, "stop_token_ids")
         group = self.scheduler.make_forks(self._encode(prompt, chat), n, max_new_tokens,
                                           sampling, stop_ids,

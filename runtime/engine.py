@@ -55,7 +55,8 @@ class Engine:
         """``stream_text`` for a prompt already encoded (``encode_prompt``)."""
         tok = self._require_tokenizer()
         decoder = tok.stream(skip_special_tokens=True)
-        for token in self.generator.stream(ids, max_new_tokens, sampling, tok.eos_ids):
+        eos = () if isinstance(sampling, SamplingParams) and sampling.ignore_eos else tok.eos_ids
+        for token in self.generator.stream(ids, max_new_tokens, sampling, eos):
             piece = decoder.push(token)
             if piece:
                 yield piece

@@ -121,8 +121,10 @@ class Generator:
         if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 0; pass the "
                              "number of tokens to generate")
-        sampler = Sampler(sampling)
-        return self._stream(ids, int(max_new_tokens), sampler, check_stop_ids(stop_ids))
+        stop = check_stop_ids(stop_ids)
+        sampler = Sampler(sampling, prompt=ids, stop_ids=stop)
+        sampler.params.check_vocab(vocab)
+        return self._stream(ids, int(max_new_tokens), sampler, stop)
 
     def _stream(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler,
                 stop: set[int]) -> Iterator[int]:

@@ -1,8 +1,10 @@
-"""Next-token sampling: greedy, temperature, top-k and top-p (nucleus), seeded.
+"""Next-token sampling: greedy, temperature, min-p, top-k and top-p (nucleus), seeded.
 
-Order of the filters: scale by the temperature, keep the ``top_k`` most likely tokens, keep the
-smallest prefix of those (by probability) whose mass reaches ``top_p``, renormalise, draw.  Ties
-go to the lowest token id everywhere (argmax, the top-k boundary, the nucleus order).
+Order: the logit controls of :mod:`.penalties` (``logit_bias``, ``min_tokens``, the repetition,
+frequency and presence penalties), then scale by the temperature, keep the tokens at least
+``min_p`` times as likely as the most likely one, keep the ``top_k`` most likely tokens, keep
+the smallest prefix of those (by probability) whose mass reaches ``top_p``, renormalise, draw.
+Ties go to the lowest token id everywhere (argmax, the top-k boundary, the nucleus order).
 
 The weights ``exp((x - max) / temperature)`` are float32 (their exponential is six times faster
 than float64's, and float32 is what the model's logits carry); every sum over them is float64.
@@ -22,6 +24,7 @@ import numpy as np
 
 from paged_decode.runtime.checks import is_int
 from paged_decode.runtime.errors import SamplingError
+from paged_decode.runtime.penalties import BAN, LogitsProcessor, uses_processor
 
 _NUCLEUS_EPS = 1e-9  # cumulative mass within this of top_p counts as reaching it (float rounding)
 _CHUNK = 1024  # entries per first-level bucket of the inverse-CDF draw
@@ -37,16 +40,29 @@ def _is_real(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token.  ``temperature == 0`` means greedy (the other fields unused).
+    """How to pick the next token.  ``temperature == 0`` means greedy (the filters unused; the
+    logit controls still apply).
 
-    ``top_k == 0`` disables top-k; ``top_p == 1`` disables the nucleus; ``seed=None`` draws fresh
-    OS entropy.
+    ``top_k == 0`` disables top-k; ``top_p == 1`` disables the nucleus; ``min_p == 0`` disables
+    min-p; ``seed=None`` draws fresh OS entropy.  The logit controls (:mod:`.penalties`):
+    ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (OpenAI's), ``repetition_penalty``
+    > 0 (1 disables it), ``logit_bias`` ``{token id: bias in [-100, 100]}`` (-100 bans; stored as
+    sorted ``(id, bias)`` pairs), ``min_tokens`` (stop ids held back until that many tokens are
+    out).  ``ignore_eos``: the end-of-sequence ids do not end the output (``stop_token_ids``
+    still do).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
@@ -59,10 +75,56 @@ class SamplingParams:
                                 "(1 disables top-p)")
         if seed is not None and not (is_int(seed) and seed >= 0):
             raise SamplingError(f"seed={seed!r}: must be None or an integer >= 0")
+        _check_real("min_p", self.min_p, 0, 1, "0 disables it")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), -2, 2, "0 disables it")
+        r = self.repetition_penalty
+        if not (_is_real(r) and math.isfinite(r) and r > 0):
+            raise SamplingError(f"repetition_penalty={r!r}: must be a finite number > 0 "
+                                "(1 disables it)")
+        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise SamplingError(f"min_tokens={self.min_tokens!r}: must be an integer >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingError(f"ignore_eos={self.ignore_eos!r}: must be True or False")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """:class:`SamplingError` for a ``logit_bias`` id outside ``[0, vocab_size)``."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise SamplingError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                f"[0, {vocab_size})")
+
+
+def _check_real(name: str, value, low: float, high: float, off: str) -> None:
+    if not (_is_real(value) and math.isfinite(value) and low <= value <= high):
+        raise SamplingError(f"{name}={value!r}: must be a finite number in [{low:g}, {high:g}] "
+                            f"({off})")
+
+
+def _bias_pairs(bias) -> tuple:
+    """``{id: bias}`` or ``(id, bias)`` pairs as sorted pairs of an int id >= 0 and a float in
+    [-100, 100]; :class:`SamplingError` otherwise."""
+    try:
+        pairs = list(bias.items() if isinstance(bias, dict) else bias or ())
+        if not all(len(pair) == 2 for pair in pairs):
+            raise TypeError("not (id, bias) pairs")
+    except TypeError as e:
+        raise SamplingError(f"logit_bias={bias!r}: must be a dict {{token id: bias}} "
+                            f"({e})") from None
+    for t, v in pairs:
+        if not (is_int(t) and t >= 0):
+            raise SamplingError(f"logit_bias: key {t!r} must be a token id (an integer >= 0)")
+        if not (_is_real(v) and math.isfinite(v) and BAN <= v <= -BAN):
+            raise SamplingError(f"logit_bias[{t}]={v!r}: must be a finite number in [-100, 100] "
+                                "(-100 bans the token)")
+    if len({int(t) for t, _ in pairs}) < len(pairs):
+        raise SamplingError("logit_bias: a token id appears twice")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs))
 
 
 class Sampler:
@@ -72,7 +134,9 @@ class Sampler:
     to share between threads (the generator's state advances with each draw): one per stream.
     """
 
-    def __init__(self, params: SamplingParams | None = None):
+    def __init__(self, params: SamplingParams | None = None, *, prompt=(), stop_ids=()):
+        """``prompt`` (token ids, for ``repetition_penalty``) and ``stop_ids`` (what
+        ``min_tokens`` holds back) matter only when ``params`` uses those controls."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -81,10 +145,26 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self._work = np.empty(0, np.float32)  # [vocab_size], reused: fresh arrays page-fault
+        self.processor = (LogitsProcessor(params, prompt, stop_ids) if uses_processor(params)
+                          else None)
 
     def sample(self, logits: np.ndarray) -> int:
-        """One token id from ``logits``: a 1-D float vector ``[vocab_size]`` (float32 usually)."""
+        """One token id from ``logits``: a 1-D float vector ``[vocab_size]`` (float32 usually).
+        With logit controls, the token is recorded as this sampler's output (penalties count
+        it from the next call on)."""
         x, top = _checked_logits(logits)
+        if self.processor is not None:
+            x = self.processor.apply(x)
+            top = float(np.max(x))
+            if top == -np.inf:
+                raise SamplingError("logit_bias / min_tokens ban every token this step allows; "
+                                    "ban fewer tokens")
+        token = self._pick(x, top)
+        if self.processor is not None:
+            self.processor.record(token)
+        return token
+
+    def _pick(self, x: np.ndarray, top: float) -> int:
         if self.params.greedy:
             return int(np.argmax(x))  # first maximum = lowest id
         if len(self._work) != len(x):
@@ -98,9 +178,9 @@ def sample_rows(samplers: list, logits: np.ndarray) -> tuple[list[int], dict]:
     """One token per row of ``logits`` ``[rows, vocab_size]``, row ``i`` drawn by
     ``samplers[i]`` (each row's tokens are what that sampler alone would draw); returns the
     tokens and ``{row: exception}`` for the rows that could not be sampled (their token is 0).
-    Every greedy row comes from one ``argmax`` over the batch."""
+    Every greedy row without logit controls comes from one ``argmax`` over the batch."""
     tokens, errors = [0] * len(samplers), {}
-    greedy = [i for i, s in enumerate(samplers) if s.params.greedy]
+    greedy = [i for i, s in enumerate(samplers) if s.params.greedy and s.processor is None]
     # a row's maximum is NaN or infinite where the row is unusable; masked -inf entries below
     # a finite maximum are fine for argmax
     rows = logits if len(greedy) == len(samplers) else logits[greedy]  # a copy: only if mixed
@@ -143,6 +223,9 @@ def _candidates(x: np.ndarray, params: SamplingParams, top: float, work: np.ndar
     with np.errstate(over="ignore"):
         weights /= max(np.float32(params.temperature), _F32_TINY)
     np.exp(weights, out=weights)
+    if params.min_p > 0:  # the weights are probabilities over the most likely one's (1)
+        keep = np.flatnonzero(weights >= np.float32(params.min_p))
+        ids, weights = (keep if ids is None else ids[keep]), weights[keep]
     if params.top_p < 1:
         keep = _nucleus(weights, params.top_p)
         ids, weights = (keep if ids is None else ids[keep]), weights[keep]

@@ -85,6 +85,7 @@ class Request:
     constraint: object | None = None
     error: Exception | None = None  # why it finished as "error"
     hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix cache)
+    cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -153,7 +154,8 @@ class Scheduler:
         for i in range(1, int(n)):
             seeded = (params if params.seed is None
                       else dataclasses.replace(params, seed=params.seed + i))
-            child = Request(head.prompt, head.max_tokens, Sampler(seeded), head.stop_ids,
+            sampler = Sampler(seeded, prompt=head.prompt, stop_ids=head.stop_ids)
+            child = Request(head.prompt, head.max_tokens, sampler, head.stop_ids,
                             fork_of=head, top_logprobs=head.top_logprobs,
                             constraint=None if head.constraint is None
                             else head.constraint.copy())
@@ -187,7 +189,12 @@ class Scheduler:
             raise CapacityError(f"the request needs {blocks} KV blocks, the pool has "
                                 f"{self.pool.num_blocks}; allocate a larger pool")
         stop = frozenset(check_stop_ids(stop_ids))
-        req = Request(ids, int(max_tokens), Sampler(sampling), stop, constraint=constraint,
+        sampler = Sampler(sampling, prompt=ids, stop_ids=stop)
+        sampler.params.check_vocab(self.artifact.manifest.vocab_size)
+        if sampler.params.min_tokens > max_tokens:
+            raise InputError(f"min_tokens={sampler.params.min_tokens} exceeds max_tokens="
+                             f"{max_tokens}; lower min_tokens or raise max_tokens")
+        req = Request(ids, int(max_tokens), sampler, stop, constraint=constraint,
                       top_logprobs=None if top_logprobs is None else int(top_logprobs))
         req.pending = list(ids)
         return req
@@ -257,6 +264,8 @@ class Scheduler:
         cached = self.cache.match(req.pending)
         if cached:
             n = len(cached) * self.pool.block_size
+            if not req.tokens:  # not a recompute after a preemption
+                req.cached_tokens = min(n, len(req.prompt))
             req.handle.release()
             req.handle = self.pool.adopt(cached, n)
             del req.pending[:n]
