@@ -43,6 +43,12 @@ SECTIONS = ("decode", "batch", "serve")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 
 
+def prompt_ids(n: int, vocab_size: int) -> np.ndarray:
+    """``int32 [n]``: a seeded prompt of ids drawn inside the vocabulary (a prompt longer than a
+    small preset's vocabulary repeats ids, never leaves it)."""
+    return np.random.default_rng(0).integers(0, vocab_size, n, dtype=np.int32)
+
+
 def bytes_per_token(m, weights, ctx: int) -> int:
     """Weights read once per token (the embedding only a row unless tied) + K/V up to ``ctx``."""
     return streamed_bytes(m, weights) + kv_bytes(m, ctx)
@@ -168,7 +174,7 @@ class _Ours:
         llama.cpp, whose first batch of a size after decoding re-plans its compute graph)."""
         pool = self.pool(self.m.max_blocks_cap)
         session = self.session(pool)
-        ids = np.random.default_rng(0).integers(0, self.m.vocab_size, n)
+        ids = prompt_ids(n, self.m.vocab_size)
         warm = pool.new_sequence()
         session.prefill(warm, ids)
         warm.release()
@@ -285,7 +291,7 @@ def _ours_rss_child(artifact_dir: str, weights_dir: str, prompt: int, n_tokens: 
     weights = load_weights(weights_dir, artifact)
     pool = PagedKVCache.for_artifact(artifact, num_blocks=artifact.manifest.max_blocks_cap)
     session, handle = PagedDecodeSession(artifact, weights, pool), pool.new_sequence()
-    logits = session.prefill(handle, list(range(1, prompt + 1)))
+    logits = session.prefill(handle, prompt_ids(prompt, artifact.manifest.vocab_size))
     for _ in range(n_tokens):
         logits = session.realize_token(handle, int(np.argmax(logits)))
     return {"peak_rss_mb": baselines.peak_rss_mb(), "before_load_mb": before}

@@ -418,3 +418,25 @@ def test_serve_section_loads_the_server_and_replays_a_trace(tmp_path, artifact_r
     assert (out / f"serve-{name}-float32" / "serve.json").is_file()
     md = (out / "bench.md").read_text()
     assert "Poisson trace: 6 requests" in md and "Serving, tiny float32: skipped" in md
+
+
+def test_every_section_runs_on_the_default_preset_with_prompts_past_its_vocabulary(
+        tmp_path, artifact_root, monkeypatch):
+    """``paged-bench --model tiny`` (the default) with the smallest settings, and prompts
+    longer than tiny's 256-token vocabulary (the full settings' 512): every prompt a section
+    builds stays inside the vocabulary, and each section reports or says why it skipped (the
+    batch section on tiny: ``test_bench_quick_writes_json_markdown_png``)."""
+    vocab = resolve_model("tiny").config.vocab_size
+    monkeypatch.setitem(bench.QUICK, "prompts", (vocab + 16,))
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(bench_cmd, [
+        "--quick", "--rounds", "1", "--dtype", "float32", "--section", "decode", "--section",
+        "serve", "--out", str(out), "--artifacts", str(artifact_root)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    (run,) = report["runs"]
+    assert run["model"] == "tiny"
+    assert run["ours"]["prefill_tps"][str(vocab + 16)] > 0
+    assert run["ours"]["peak_rss_mb"]["peak_rss_mb"] > 0
+    (served,) = report["serve_runs"]
+    assert "no tokenizer" in served["skipped"]
