@@ -80,7 +80,7 @@ def build_options(fn):
                      "projections of some layers)"),
         click.option("--batch-buckets", default=None, type=_Buckets(),
                      help="rows of each compiled batched decode step, e.g. 2,4,8, or none "
-                     "(default: 2,4,8,16,32 on the CPU, none on GPUs)"),
+                     "(default: 2,4,8,16,32; none on WebGPU)"),
         click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS",
                      help="artifact root [env PAGED_DECODE_ARTIFACTS]"),
         click.option("--cache", "policy", default=None, envvar="PAGED_DECODE_CACHE",

@@ -63,7 +63,8 @@ _RULES = {
     "library_sha256": ("64 hex digits", lambda v: isinstance(v, str) and len(v) == 64),
     "library_bytes": ("a positive integer", _positive),
 }
-# the batch buckets a CPU artifact gets unless told (GPU kernel sets have none yet)
+# the batch buckets an artifact gets unless told, on every target whose kernel set batches
+# (all but WebGPU: compile/api.py default_buckets)
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 # a stored format's name ends in this where its rows are interleaved in groups (the CPU's
 # layout of q8_0 / q4_0 / q4_1 / q4_k; compile/formats.py): the same format to whoever
