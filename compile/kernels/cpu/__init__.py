@@ -10,10 +10,9 @@ from . import attention, batch, gemv, linear, norm, quant, rope_kv
 from .simd import K_BLOCK_LAYOUT, L2, NTA
 
 # Weight formats whose decode GEMVs prefetch their rows into L2 (``prefetcht1``) instead of as
-# data used once (``prefetchnta``), by the target's CPU (its ``mcpu``): on Zen 4 float16 and
-# Q4_K streamed 1.12-1.25x faster so, Q5_K / Q6_K interleaved 1.2-1.5x (Q6_K rows 0.7x: rows
-# keep NTA), other formats the same or slower (docs/design.md); the other CPUs keep the
-# non-temporal prefetch they were measured with.
+# data used once (``prefetchnta``), by the target's CPU (its ``mcpu``): on Zen 4 these stream
+# faster so, the other formats (Q6_K by rows among them) the same or slower; other CPUs keep the
+# non-temporal prefetch they were measured with (docs/design.md#decode-gemv).
 L2_PREFETCH = {"znver4": frozenset({"float16", "q4_k", "q5_kx8", "q6_kx8"})}
 
 

@@ -52,26 +52,18 @@ from .simd import L1, L2, NTA, VL, claimed_units, prefetch_ahead_macro, scratch_
 
 ACCS = 4  # independent accumulators per row (blocks in flight)
 # How far ahead of a GEMV row's read position its bytes are prefetched: 1024 for the 4- to
-# 6-bit formats (Q6_K 8-20 % faster than without); Q8_0, twice their bytes per instruction,
-# streams best at 512 (its 576-wide rows, SmolLM2's LM head: 1024 ahead read at 8.5 GB/s, 512
-# at 12.5, none at 12.5; 2048-wide rows 5 % faster at 512 than at either)
+# 6-bit formats; 512 for Q8_0, which covers twice their bytes per instruction (the distances
+# and what measured them: docs/design.md#prefetch-distances-for-quantized-rows)
 PREFETCH_BYTES = {"q8_0": 512}
 PREFETCH_DEFAULT = 1024
 # A decode GEMV over k-quant rows interleaved by 8 reads one stream 1184 / 1440 / 1680 bytes
-# (Q4_K / Q5_K / Q6_K: a super-block of 8 rows) per step, so 1024 ahead lands within the step
-# being read. 16384 ahead (about ten steps), paired on the TinyLlama-1.1B shapes out of cache
-# with Zen 4's L2 hint: Q4_K 1.10 / 1.27 / 1.10x over 6144 (2048 x 5632, 2048 x 2048, 2560 x
-# 2048; 6144 was itself 1.3-2.0x over 1024), Q5_K 1.42x over 1024 without the hint and 1.04-1.05x
-# over 6144, Q6_K 1.16x over 8192 and 2x over 1024. The fused SwiGLU GEMV, which reads its
-# unit's 256 rows front to back as one stream, takes the same distances: over 1024, on the
-# 1.1B shape's 11264 x 2048 gate / up, Q4_K x8 1.11-1.53x (at the plain GEMV's rate), Q6_K x8
-# 1.30x, Q5_K x8 0.91-1.07x (4096 and 8192 measured slower than 1024).
+# (Q4_K / Q5_K / Q6_K: a super-block of 8 rows) per step, so 1024 ahead would land within the
+# step being read: these single-stream GEMVs, and the fused SwiGLU GEMV whose unit's 256 rows
+# are one stream too, prefetch about ten steps ahead.
 PREFETCH_ONE_STREAM = {"q4_k": 16384, "q5_k": 16384, "q6_k": 16384}
 # Where that far prefetch stops at L2 (Zen 4's hint), a second one brings the lines of the step
-# ``PREFETCH_NEAR`` bytes ahead on into L1 (``prefetcht0``).  The Q6_K x8 GEMV (27 lines a step,
-# 16 loads of 32 bytes a unit) read at 0.7x Q5_K x8's bytes per second out of cache while the
-# two ran alike in cache; with the near prefetch it gains 1.14-1.24x (2048 x 5632, 2 threads).
-# Q4_K / Q5_K x8 measured 0.93 / 0.96x with it: they keep one prefetch.
+# ``PREFETCH_NEAR`` bytes ahead on into L1 (``prefetcht0``): the Q6_K x8 GEMV's unit makes 16
+# loads from 27 lines, which otherwise wait on L2.  Q4_K / Q5_K x8 run no faster with it.
 PREFETCH_NEAR = {"q6_k": 1024}
 
 
