@@ -15,6 +15,7 @@ class Choice:
         self.stream = None
         self.finish_reason: str | None = None
         self.offsets = TextOffsets()  # where the streamed log-probability entries begin
+        self.calls = None  # a tool request's CallStream, streaming (serve/tools.py)
 
     def add(self, stream, delta) -> None:
         """A piece (``delta``), or the end of the stream (``None``)."""
@@ -108,8 +109,9 @@ def render_response(job: dict, choices: list[Choice], tokenizer) -> dict:
     for c in choices:
         lp = _logprobs(job, c.logprobs, tokenizer, TextOffsets())
         if job["chat"]:
-            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": lp, "finish_reason": c.finish_reason})
+            message, finish = _message(job, c)
+            rows.append({"index": c.index, "message": message, "logprobs": lp,
+                         "finish_reason": finish})
         else:
             rows.append({"index": c.index, "text": c.text, "logprobs": lp,
                          "finish_reason": c.finish_reason})
@@ -117,10 +119,74 @@ def render_response(job: dict, choices: list[Choice], tokenizer) -> dict:
     return out
 
 
+def _message(job: dict, c: Choice) -> tuple[dict, str | None]:
+    """A chat choice's message and finish reason; a tool request's reply split into content
+    and calls (serve/tools.py)."""
+    plan = job.get("tools")
+    if plan is None:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = plan.split(c.text)
+    message = {"role": "assistant", "content": content}
+    if not calls:
+        return message, c.finish_reason
+    finish = c.finish_reason
+    if plan.legacy:
+        message["function_call"] = calls[0]["function"]
+        return message, "function_call" if finish == "stop" else finish
+    message["tool_calls"] = calls
+    return message, "tool_calls" if finish == "stop" else finish
+
+
+def render_events(job: dict, choice: Choice | None, *, tokenizer, delta=None,
+                  role: bool = False, usage_of: list[Choice] | None = None) -> list[dict]:
+    """The stream chunks for one event (:func:`render_chunk`'s arguments): one chunk, or for a
+    tool request the content that can go out (text that may open a call is held back) and,
+    at the choice's end, its calls as ``delta.tool_calls`` entries before the finish chunk."""
+    plan = job.get("tools")
+    if plan is None or role or usage_of is not None:
+        return [render_chunk(job, choice, tokenizer=tokenizer, delta=delta, role=role,
+                             usage_of=usage_of)]
+    if choice.calls is None:
+        choice.calls = plan.stream()
+    if delta is not None:
+        text = choice.calls.push(delta.text)
+        if not text and not delta.logprobs:
+            return []
+        return [render_chunk(job, choice, tokenizer=tokenizer, delta=delta, text=text)]
+    rest, calls = choice.calls.finish()
+    out = [_delta_chunk(job, choice, {"content": rest})] if rest else []
+    for k, call in enumerate(calls):
+        fn = call["function"]
+        if plan.legacy:
+            out.append(_delta_chunk(job, choice, {"function_call": {"name": fn["name"],
+                                                                    "arguments": ""}}))
+            out.append(_delta_chunk(job, choice, {"function_call": {
+                "arguments": fn["arguments"]}}))
+            break
+        head = {"index": k, "id": call["id"], "type": "function",
+                "function": {"name": fn["name"], "arguments": ""}}
+        out.append(_delta_chunk(job, choice, {"tool_calls": [head]}))
+        out.append(_delta_chunk(job, choice, {"tool_calls": [
+            {"index": k, "function": {"arguments": fn["arguments"]}}]}))
+    if calls and choice.finish_reason == "stop":
+        choice.finish_reason = "function_call" if plan.legacy else "tool_calls"
+    return out + [render_chunk(job, choice, tokenizer=tokenizer)]
+
+
+def _delta_chunk(job: dict, choice: Choice, delta: dict) -> dict:
+    out = _head(job, chunk=True)
+    out["choices"] = [{"index": choice.index, "delta": delta, "logprobs": None,
+                       "finish_reason": None}]
+    if job["include_usage"]:
+        out["usage"] = None
+    return out
+
+
 def render_chunk(job: dict, choice: Choice | None, *, tokenizer, delta=None,
-                 role: bool = False, usage_of: list[Choice] | None = None) -> dict:
-    """One stream chunk: the assistant role (``role``), a piece (``delta``), the choice's
-    finish (neither), or the usage of ``usage_of`` (no choice)."""
+                 role: bool = False, usage_of: list[Choice] | None = None,
+                 text: str | None = None) -> dict:
+    """One stream chunk: the assistant role (``role``), a piece (``delta``; ``text`` in place
+    of its text), the choice's finish (neither), or the usage of ``usage_of`` (no choice)."""
     out = _head(job, chunk=True)
     if usage_of is not None:
         out.update(choices=[], usage=usage(job, usage_of))
@@ -130,7 +196,8 @@ def render_chunk(job: dict, choice: Choice | None, *, tokenizer, delta=None,
         row.update({"delta": {}} if job["chat"] else {"text": ""})
         row.update(logprobs=None, finish_reason=choice.finish_reason)
     else:
-        text = delta.text if delta is not None else ""
+        if text is None:
+            text = delta.text if delta is not None else ""
         if job["chat"]:
             row["delta"] = {"role": "assistant", "content": ""} if role else {"content": text}
         else:
