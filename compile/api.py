@@ -15,7 +15,7 @@ from paged_decode.runtime.artifact import (buckets_arg, cli_target, compile_comm
                                            sha256_file)
 from paged_decode.runtime.errors import ArtifactError, ConfigError, WeightsError
 from paged_decode.runtime.manifest import DEFAULT_BATCH_BUCKETS, Manifest, weight_policy
-from paged_decode.runtime.pack import file_record, record_verified, verify_pack
+from paged_decode.runtime.pack import file_record, record_verified, seal, verify_pack
 from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
 from . import cache
@@ -145,7 +145,8 @@ def write_weight_pack(source: ModelSource, weight_dtype: str, out_dir: Path,
             "weight_formats": dict(weight_formats), "model": source.config.shape_dict(),
             "params": [[s.name, list(s.shape), s.dtype] for s in specs], "files": files}
     record_verified(out_dir, files)
-    (out_dir / "weights.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+    (out_dir / "weights.json").write_text(json.dumps(seal(meta), indent=1, sort_keys=True,
+                                                     default=str))
 
 
 def ensure_weights(source: ModelSource, weight_dtype: str, root: Path, policy: str,

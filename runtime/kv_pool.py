@@ -37,7 +37,7 @@ import numpy as np
 import tvm
 
 from paged_decode.runtime.block_allocator import BlockAllocator
-from paged_decode.runtime.checks import is_int
+from paged_decode.runtime.checks import check_array, check_int, is_int
 from paged_decode.runtime.errors import (CapacityError, ConfigError, HandleError, InputError,
                                          OwnershipError)
 from paged_decode.runtime.host_memory import HostArena, on_host, to_tvm
@@ -465,16 +465,13 @@ class SessionHandle:
 
     def block_table(self, cap: int) -> np.ndarray:
         """``int32 [cap]``: the block ids, then 0 padding.  :class:`CapacityError` if they don't fit."""
-        out = np.zeros((1, cap), dtype=np.int32)
+        out = np.zeros((1, check_int(cap, "cap", 0)), dtype=np.int32)
         self.fill_block_table(out)
         return out[0]
 
     def fill_block_table(self, out: np.ndarray) -> None:
         """Write the block ids into the caller's ``int32 (1, cap)`` array in place, 0 after them."""
-        if not (isinstance(out, np.ndarray) and out.dtype == np.int32 and out.ndim == 2
-                and out.shape[0] == 1):
-            raise InputError(f"block table must be an int32 array of shape (1, cap), got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}")
+        check_array(out, "block table", np.int32, (1, None))
         with self._pool._lock:
             self._check("fill_block_table")
             n, cap = len(self._blocks), out.shape[1]

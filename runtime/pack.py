@@ -7,6 +7,10 @@ changed) hashes every file and records each file's ``stat`` identity (size, inod
 ctime in ns) in ``verified.json``; later loads compare only those stats.  Any write to a file
 through the file system changes its ctime, so a pack edited, truncated or replaced since is
 hashed again and refused if it differs.  A pack in a read-only folder is hashed at every load.
+
+``weights.json`` itself (shape key, formats, parameter layout, the file records) carries
+``meta_sha256``, the sha256 of its other fields (:func:`seal`): it is a few kB, so it is checked
+at every load, and an edited field is refused like an edited file.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from .errors import WeightsError
 
 CHUNK = 64 << 20
 STAMP = "verified.json"
+META_DIGEST = "meta_sha256"  # the field of weights.json that covers its other fields
 
 
 def _chunk_digest(fd: int, offset: int, size: int) -> bytes:
@@ -52,6 +57,27 @@ def tree_sha256(path: Path, workers: int | None = None) -> str:
 def file_record(path: Path) -> dict:
     """What ``weights.json`` records of one pack file."""
     return {"bytes": path.stat().st_size, "sha256": tree_sha256(path)}
+
+
+def meta_digest(meta: dict) -> str:
+    """sha256 of ``meta``'s fields but :data:`META_DIGEST`, as JSON (sorted keys): the same
+    value before it is written and after it is read back."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST}
+    blob = json.dumps(json.loads(json.dumps(body, default=str)), sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def seal(meta: dict) -> dict:
+    """``meta`` with :data:`META_DIGEST` over its other fields (what ``weights.json`` holds)."""
+    return {**meta, META_DIGEST: meta_digest(meta)}
+
+
+def _check_seal(path: Path, meta: dict, hint: str) -> None:
+    if meta.get(META_DIGEST) != meta_digest(meta):
+        what = ("lacks its checksum" if META_DIGEST not in meta else
+                "does not match its checksum (a field was edited or corrupted)")
+        raise WeightsError(f"{path / 'weights.json'} {what} ({META_DIGEST}); {hint}")
 
 
 def _stat_id(path: Path) -> list[int]:
@@ -92,7 +118,8 @@ def _check_file(path: Path, name: str, want: dict, hint: str) -> None:
 
 
 def verify_pack(path: str | Path, meta: dict, hint: str) -> None:
-    """Every file ``meta["files"]`` lists is present with its recorded size and checksum, else
+    """``meta`` (weights.json) matches its own checksum (:func:`seal`), and every file
+    ``meta["files"]`` lists is present with its recorded size and checksum, else
     :class:`WeightsError` naming the file and ``hint`` (the command that rebuilds the pack).
     Hashes only the files whose current stats ``verified.json`` does not vouch for."""
     path = Path(path)
@@ -100,6 +127,7 @@ def verify_pack(path: str | Path, meta: dict, hint: str) -> None:
     if not isinstance(files, dict) or not files or not all(
             isinstance(v, dict) for v in files.values()):
         raise WeightsError(f"{path}: weights.json lists no file checksums; {hint}")
+    _check_seal(path, meta, hint)
     try:
         todo = sorted(set(files) - _vouched(path, files))
         for name in todo:

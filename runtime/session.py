@@ -27,7 +27,7 @@ import numpy as np
 import tvm
 
 from .artifact import Artifact, WeightPack
-from .checks import is_int
+from .checks import check_array, is_int
 from .errors import (BlockTableError, ExecutionError, OffsetRebindError, TokenIdError,
                      TopologyChanged, ValidityError, WriteOffsetError)
 from .host_memory import on_host
@@ -284,13 +284,8 @@ class PagedDecodeSession:
 
     def _check_raw(self, table, context_len, write_off) -> tuple[int, int]:
         cap, bs, nb = self.artifact.max_blocks_cap, self.pool.block_size, self.pool.num_blocks
-        if not isinstance(table, np.ndarray) or table.dtype != np.int32:
-            raise BlockTableError(
-                f"block_table must be a numpy int32 array, got {type(table).__name__} "
-                f"{getattr(table, 'dtype', '')}; pass np.asarray(table, dtype=np.int32)")
-        if table.shape != (1, cap):
-            raise BlockTableError(f"block_table shape {table.shape}, expected (1, {cap}) = (1, "
-                                  "max_blocks_cap); pad it with 0 to the artifact's width")
+        # (1, max_blocks_cap): padded with 0 to the artifact's width
+        check_array(table, "block_table", np.int32, (1, cap), BlockTableError)
         if not is_int(context_len) or not 1 <= context_len <= cap * bs:
             raise BlockTableError(
                 f"context_len={context_len!r} outside [1, {cap * bs}] (max_blocks_cap * "

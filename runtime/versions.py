@@ -9,7 +9,7 @@ except metadata.PackageNotFoundError:  # a source tree on sys.path, never instal
 # Bump when the compiled functions' signatures, the params layout or the manifest format change.
 ABI_VERSION = 5  # 5: batch_decode_<B> functions (manifest batch_buckets)
 MANIFEST_FORMAT = 2  # 2: batch_buckets
-WEIGHTS_FORMAT = 3  # 3: weights.json lists every file with its size and checksum
+WEIGHTS_FORMAT = 4  # 4: weights.json carries meta_sha256 over its own fields
 
 
 def key_digest(fields: dict) -> str:

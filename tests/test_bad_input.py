@@ -205,7 +205,7 @@ NAN_LOGITS = np.array([0.0, 1.0, np.nan, 2.0], np.float32)
 TOKEN_FIX = "check the tokenizer matches the model"
 INT_FIX = r"pass an int in \[0, 256\)"
 PROMPT_FIX = "pass a flat list of ints"
-TABLE_FIX = r"pass np\.asarray\(table, dtype=np\.int32\)"
+TABLE_FIX = r"pass np\.ascontiguousarray\(\.\.\., dtype=np\.int32\) of shape \(1, 16\)"
 CLEARED = "drop this session and build a new one"
 
 CASES = [
@@ -269,17 +269,29 @@ CASES = [
          lambda w: w.fill(leave_free=2)),
     # -- caller-managed block tables (decode_raw) -----------------------------------------------
     Case("table_int64", lambda w: w.raw(table=w.raw_args()[0].astype(np.int64)), BlockTableError,
-         (r"got ndarray int64", TABLE_FIX)),
+         (r"has dtype int64, expected int32", TABLE_FIX)),
     Case("table_float32", lambda w: w.raw(table=w.raw_args()[0].astype(np.float32)),
-         BlockTableError, (r"got ndarray float32", TABLE_FIX)),
+         BlockTableError, (r"has dtype float32, expected int32", TABLE_FIX)),
     Case("table_list", lambda w: w.raw(table=w.raw_args()[0].tolist()), BlockTableError,
          (r"got list", TABLE_FIX)),
     Case("table_1d", lambda w: w.raw(table=w.raw_args()[0][0]), BlockTableError,
-         (r"shape \(16,\), expected \(1, 16\)", "pad it with 0")),
+         (r"shape \(16,\), expected \(1, 16\)", TABLE_FIX)),
     Case("table_short", lambda w: w.raw(table=w.raw_args()[0][:, :15]), BlockTableError,
-         (r"shape \(1, 15\), expected \(1, 16\)", "pad it with 0")),
+         (r"shape \(1, 15\), expected \(1, 16\)", TABLE_FIX)),
     Case("table_batch_of_two", lambda w: w.raw(table=np.zeros((2, 16), np.int32)),
-         BlockTableError, (r"shape \(2, 16\)", "pad it with 0")),
+         BlockTableError, (r"shape \(2, 16\)", TABLE_FIX)),
+    # an ndarray subclass: np.matrix indexes as 2-D, a masked array hides entries
+    Case("table_matrix", lambda w: w.raw(table=np.matrix(w.raw_args()[0])), BlockTableError,
+         (r"block_table must be a numpy\.ndarray, got matrix", TABLE_FIX)),
+    Case("table_masked", lambda w: w.raw(table=np.ma.masked_array(w.raw_args()[0])),
+         BlockTableError, (r"got MaskedArray", TABLE_FIX)),
+    Case("handle_block_table_negative_cap", lambda w: w.a.block_table(-3), InputError,
+         (r"cap=-3: must be an integer >= 0",)),
+    Case("handle_block_table_float_cap", lambda w: w.a.block_table(16.0), InputError,
+         (r"cap=16\.0: must be an integer >= 0",)),
+    Case("handle_fill_block_table_matrix",
+         lambda w: w.a.fill_block_table(np.matrix(np.zeros((1, 16), np.int32))), InputError,
+         (r"block table must be a numpy\.ndarray, got matrix", r"of shape \(1, n\)")),
     Case("block_id_outside_pool", lambda w: w.raw(table=_with_table(w, i0=NUM_BLOCKS)),
          BlockTableError, (r"block_table\[0, 0\] = 24 is outside the pool \[0, 24\)",
                            "use block ids this pool allocated")),

@@ -59,6 +59,14 @@ PACK_DAMAGE = {
                                r"tokenizer_meta\.json is missing or damaged"),
     "checksums_removed": (lambda p: _edit_meta(p, lambda m: m.pop("files")),
                           r"weights\.json lists no file checksums"),
+    # weights.json's own fields are covered by its meta_sha256, checked at every load (the
+    # files' stats vouch for the files only)
+    "shape_key_edited": (lambda p: _edit_meta(p, lambda m: m.update(shape_key="0" * 16)),
+                         r"weights\.json does not match its checksum \(a field was edited"),
+    "weights_key_edited": (lambda p: _edit_meta(p, lambda m: m.update(weights_key="0" * 16)),
+                           r"weights\.json does not match its checksum"),
+    "meta_checksum_removed": (lambda p: _edit_meta(p, lambda m: m.pop("meta_sha256")),
+                              r"weights\.json lacks its checksum \(meta_sha256\)"),
 }
 
 
