@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
+import os
 import shutil
 import sys
 import time
@@ -17,8 +19,40 @@ from pathlib import Path
 import click
 
 from paged_decode.runtime.errors import ArtifactError, CapacityError, InputError, PagedDecodeError
+from paged_decode.runtime.versions import PACKAGE_VERSION
 
 DTYPE = click.Choice(["float32", "float16"])
+# positions, block tables and context lengths are int32 in every compiled function
+MAX_TOKENS = 2 ** 31 - 1
+BUILD_KEYS = ("target", "block_size", "max_context", "max_blocks_cap", "cache_dtype",
+              "weight_dtype", "batch_buckets")
+
+
+class _Finite(click.ParamType):
+    """A float that is finite and within [lo, hi] (``lo_open``: above lo): nan and inf pass
+    click's FloatRange, since every comparison with nan is false."""
+
+    name = "float"
+
+    def __init__(self, lo: float, hi: float = math.inf, lo_open: bool = False):
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        low_ok = number > self.lo if self.lo_open else number >= self.lo
+        if not math.isfinite(number) or not low_ok or number > self.hi:
+            above = f"{'above' if self.lo_open else 'at least'} {self.lo:g}"
+            top = f" and at most {self.hi:g}" if math.isfinite(self.hi) else ""
+            self.fail(f"{value!r}: give a finite number {above}{top}", param, ctx)
+        return number
+
+
+def _version(fn):
+    return click.version_option(PACKAGE_VERSION, "--version", package_name="paged-decode",
+                                message="%(prog)s (paged-decode) %(version)s")(fn)
 
 
 class _Buckets(click.ParamType):
@@ -63,10 +97,10 @@ def build_options(fn):
                      "cuda, vulkan, metal, opencl or webgpu (see README: Targets)"),
         click.option("--block-size", default=None, type=int,
                      help="tokens per KV-cache block (default: 64 on the CPU, 16 on GPUs)"),
-        click.option("--max-context", default=None, type=int,
+        click.option("--max-context", default=None, type=click.IntRange(1, MAX_TOKENS),
                      help="tokens per sequence, rounded up to whole blocks (default: the "
                      "model's, at most 2048)"),
-        click.option("--max-blocks-cap", default=None, type=int,
+        click.option("--max-blocks-cap", default=None, type=click.IntRange(1, MAX_TOKENS),
                      help="block-table width (instead of --max-context)"),
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
         click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
@@ -89,7 +123,7 @@ def build_options(fn):
         click.option("--force", is_flag=True, help="rebuild the library and the weight pack "
                      "even if cached (= --cache redo)"),
         click.option("--lock-timeout", default=600.0, show_default=True,
-                     type=click.FloatRange(min=0),
+                     type=_Finite(0, 7 * 86400),
                      help="seconds to wait for another process building the same artifact"),
     ]
     for opt in reversed(opts):
@@ -103,6 +137,69 @@ def _prepare(progress=_progress, **opts):
     t0 = time.perf_counter()
     prepared = prepare(progress=progress, **opts)
     return prepared, time.perf_counter() - t0
+
+
+class _Found:
+    """The artifact and weight pack a start uses: ``remember()`` records a successful load
+    for the next start (see runtime/locate.py)."""
+
+    def __init__(self, artifact_dir, weights_dir, hit: bool, root=None, key=None, notes=()):
+        self.artifact_dir, self.weights_dir, self.hit = Path(artifact_dir), Path(weights_dir), hit
+        self._root, self._key, self._notes = root, key, notes
+
+    def remember(self) -> None:
+        if self._key is not None:
+            from paged_decode.runtime.locate import remember
+
+            remember(self._root, self._key, self.artifact_dir, self.weights_dir, self._notes)
+
+    def say_where(self, say) -> None:
+        state = "cache hit" if self.hit else "built or checked now"
+        say(f"artifact: {self.artifact_dir} ({state})")
+        say(f"weights:  {self.weights_dir}")
+
+
+def _locate(opts: dict, say=_progress) -> _Found:
+    """The artifact and pack for the build options: found by the request index without the
+    build side (no GGUF metadata read, no compiler loaded) when an earlier start remembered
+    them, else through ``compile.api.prepare``."""
+    from paged_decode.runtime.locate import artifacts_root, lookup, request_key
+
+    policy = "redo" if opts["force"] else (opts["policy"] or "on")
+    if policy not in ("on", "readonly"):
+        prepared, _ = _prepare(progress=say, **opts)
+        return _Found(prepared.artifact_dir, prepared.weights_dir, False)
+    root = artifacts_root(opts["artifacts"])
+    key = request_key(opts["model"], {k: opts[k] for k in BUILD_KEYS})
+    found = lookup(root, key)
+    if found is not None:
+        for note in found.notes:
+            say(note)
+        return _Found(found.artifact_dir, found.weights_dir, True)
+    notes = []
+
+    def keep_warnings(line: str) -> None:
+        if line.startswith("warning:"):
+            notes.append(line)
+        say(line)
+
+    prepared, _ = _prepare(progress=keep_warnings, **opts)
+    return _Found(prepared.artifact_dir, prepared.weights_dir,
+                  prepared.cache_hit and prepared.weights_cache_hit, root, key, notes)
+
+
+def _will_build(opts: dict) -> bool:
+    """Whether :func:`_locate` will go through the build side (no remembered start)."""
+    from paged_decode.runtime.locate import artifacts_root, lookup, request_key
+
+    policy = "redo" if opts["force"] else (opts["policy"] or "on")
+    if policy not in ("on", "readonly"):
+        return True
+    try:
+        root = artifacts_root(opts["artifacts"])
+        return lookup(root, request_key(opts["model"], {k: opts[k] for k in BUILD_KEYS})) is None
+    except PagedDecodeError:
+        return True  # the build side names the problem
 
 
 @click.command("paged-compile")
@@ -153,45 +250,43 @@ def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool)
 
 @click.command("paged-run")
 @build_options
-@click.option("--prompt", required=True, help="the prompt text")
+@click.option("--prompt", default=None,
+              help="the prompt text; - reads it from stdin; left out with --chat: a "
+              "conversation in the terminal")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--temperature", default=0.0, show_default=True, type=_Finite(0, 1e6))
+@click.option("--top-p", default=1.0, show_default=True, type=_Finite(-math.inf))
 @click.option("--top-k", default=0, show_default=True, type=int)
 @click.option("--seed", default=None, type=int)
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--n", "n", default=1, show_default=True, type=click.IntRange(1, 256),
               help="continuations of the prompt, decoded in one batch (prefilled once)")
+@_version
 @_clean_errors
 def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **opts):
-    """Compile (or reuse) the artifact, then stream a completion."""
-    from paged_decode.runtime.engine import Engine
-    from paged_decode.runtime.kv_pool import PoolConfigError
-    from paged_decode.runtime.sampling import SamplingParams
-
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if max_new_tokens < 0:  # checked, like the sampling options, before any compile
-        raise InputError(f"--max-new-tokens {max_new_tokens}: must be 0 or more (the number of "
-                         "tokens to generate)")
-    if not prompt and not chat:
-        raise InputError("--prompt is empty: pass the text to continue")
-    idle = [f for f, on in (("--top-p", top_p != 1.0), ("--top-k", top_k != 0),
-                            ("--seed", seed is not None)) if on]
-    if temperature == 0 and idle:
-        _progress(f"warning: {', '.join(idle)} change nothing at --temperature 0 (greedy); "
-                  "give a temperature above 0 to sample")
-    prepared, _ = _prepare(**opts)
+    """Compile (or reuse) the artifact, then stream a completion (or hold a conversation)."""
+    sampling = _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat)
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise InputError("--prompt -: stdin held no text; pipe the prompt in")
+    found = _locate(opts)
+    found.say_where(_progress)
+    by_blocks = opts["max_blocks_cap"] is not None
     if n > 1:
-        return _run_many(prepared, prompt, chat, n, max_new_tokens, sampling,
-                         opts["max_blocks_cap"] is not None)
-    try:
-        engine = Engine.load(prepared.artifact_dir, prepared.weights_dir)
-    except PoolConfigError as e:  # the pool holds the artifact's whole context
-        raise PoolConfigError(f"{e}; paged-run sizes the pool for the artifact's whole "
-                              "context: compile it for fewer tokens (a smaller --max-context or "
-                              "--max-blocks-cap)") from e
-    ids = engine.encode_prompt(prompt, chat)
-    _check_capacity(engine, len(ids), max_new_tokens, opts["max_blocks_cap"] is not None)
+        return _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks)
+    if prompt is None:
+        return _converse(found, max_new_tokens, sampling)
+    from paged_decode.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(found.weights_dir) if (
+        found.weights_dir / "tokenizer.json").is_file() else None
+    if tokenizer is None:
+        raise InputError(f"weight pack {found.weights_dir} has no tokenizer; paged-run needs "
+                         "text: build from a model directory with tokenizer.json")
+    ids = tokenizer.encode_prompt(prompt, chat, "--prompt")
+    engine = _load_engine(found, len(ids) + max(max_new_tokens - 1, 0), tokenizer)
+    _check_capacity(engine, len(ids), max_new_tokens, by_blocks)
     try:
         for piece in engine.stream_ids_text(ids, max_new_tokens=max_new_tokens,
                                             sampling=sampling):
@@ -206,6 +301,78 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **
                f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s", err=True)
 
 
+def _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat):
+    """The run options checked before anything is compiled or loaded; the sampling params."""
+    from paged_decode.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if max_new_tokens < 0:
+        raise InputError(f"--max-new-tokens {max_new_tokens}: must be 0 or more (the number of "
+                         "tokens to generate)")
+    if max_new_tokens > MAX_TOKENS:
+        raise InputError(f"--max-new-tokens {max_new_tokens}: at most {MAX_TOKENS} (positions "
+                         "are 32-bit)")
+    if prompt is None and not chat:
+        raise InputError("no --prompt: give --prompt TEXT, --prompt - (read stdin), or --chat "
+                         "without --prompt for a conversation")
+    if prompt == "" and not chat:
+        raise InputError("--prompt is empty: pass the text to continue")
+    idle = [f for f, on in (("--top-p", top_p != 1.0), ("--top-k", top_k != 0),
+                            ("--seed", seed is not None)) if on]
+    if temperature == 0 and idle:
+        _progress(f"warning: {', '.join(idle)} change nothing at --temperature 0 (greedy); "
+                  "give a temperature above 0 to sample")
+    return sampling
+
+
+def _load_engine(found: _Found, need: int | None, tokenizer=None):
+    """The engine with a pool for ``need`` tokens (None: the artifact's whole context), at most
+    the artifact's context; remembered for the next start once it loaded."""
+    from paged_decode.runtime.artifact import load_artifact, load_weights
+    from paged_decode.runtime.engine import Engine
+    from paged_decode.runtime.kv_pool import PagedKVCache, PoolConfigError
+
+    artifact = load_artifact(found.artifact_dir)
+    weights = load_weights(found.weights_dir, artifact)
+    blocks = artifact.max_blocks_cap if need is None else min(
+        max(-(-need // artifact.block_size), 1), artifact.max_blocks_cap)
+    try:
+        pool = PagedKVCache.for_artifact(artifact, num_blocks=blocks)
+    except PoolConfigError as e:
+        raise PoolConfigError(f"{e}; paged-run sizes the pool for the prompt and "
+                              "--max-new-tokens, at most the artifact's context: compile it for "
+                              "fewer tokens (a smaller --max-context or --max-blocks-cap)") from e
+    found.remember()
+    if tokenizer is None and (found.weights_dir / "tokenizer.json").is_file():
+        from paged_decode.runtime.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(found.weights_dir)
+    return Engine(artifact, weights, pool, tokenizer)
+
+
+def _converse(found: _Found, max_new_tokens: int, sampling) -> None:
+    """``paged-run --chat`` without ``--prompt``: the terminal conversation (repl.py)."""
+    from paged_decode.repl import chat_loop
+
+    engine = _load_engine(found, None)
+    tty = sys.stdin.isatty()
+
+    def read(prompt: str) -> str:
+        if tty:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    def write(text: str) -> None:
+        click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    chat_loop(engine, max_new_tokens=max_new_tokens, sampling=sampling, read=read,
+              write=write, say=lambda line: click.echo(line, err=True))
+
+
 def _remove(entry: Path) -> None:
     """Delete a cache entry; a symlinked one loses its link, never what it points to."""
     try:
@@ -218,18 +385,22 @@ def _remove(entry: Path) -> None:
                             "permissions, or delete it by hand") from e
 
 
-def _run_many(prepared, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> None:
+def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> None:
     """``paged-run --n K``: K continuations of one prompt through the batching engine, printed
     one after the other (they are decoded together)."""
+    from paged_decode.runtime.artifact import read_manifest
     from paged_decode.runtime.batch_engine import BatchEngine
     from paged_decode.runtime.errors import ConfigError
 
-    m = prepared.manifest
+    if prompt is None:
+        raise InputError("--n needs a --prompt (the conversation decodes one reply at a time)")
+    m = read_manifest(found.artifact_dir)[0]
     if not m.batch_buckets:
         raise ConfigError("--n needs an artifact with batch buckets: build it with "
                           "--batch-buckets (the CPU's default is 2,4,8,16,32)")
-    with BatchEngine.load(prepared.artifact_dir, prepared.weights_dir,
+    with BatchEngine.load(found.artifact_dir, found.weights_dir,
                           num_blocks=m.max_blocks_cap * n) as batch:
+        found.remember()
         ids = batch.tokenizer.encode_prompt(prompt, chat, "--prompt")
         _check_capacity(batch, len(ids), max_new_tokens, by_blocks)
         streams = batch.submit_n(ids, n, max_new_tokens=max_new_tokens, sampling=sampling)
@@ -264,21 +435,28 @@ def _run_many(prepared, prompt, chat, n, max_new_tokens, sampling, by_blocks) ->
               help="requests queued beyond --max-running; more are answered 429")
 @click.option("--prefill-budget", default=512, show_default=True, type=click.IntRange(min=1),
               help="prompt tokens prefilled per step, so long prompts do not stall streams")
-@click.option("--kv-cache-gb", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--kv-cache-gb", default=None, type=_Finite(0, 1 << 20, lo_open=True),
               help="KV pool size (default: room for --max-running full-length sequences, at "
               "most a quarter of the memory)")
 @click.option("--shutdown-timeout", default=30.0, show_default=True,
-              type=click.FloatRange(min=0),
+              type=_Finite(0, 7 * 86400),
               help="seconds running requests get to finish after SIGTERM")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_clean_errors
 def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_template, max_running,
               max_waiting, prefill_budget, kv_cache_gb, shutdown_timeout, log_level, **opts):
-    """Serve the model over HTTP with the OpenAI API (completions, chat, streaming)."""
+    """Serve the model over HTTP with the OpenAI API (completions, chat, streaming).
+
+    The port is bound at once: /health answers 503 {"status": "loading"} until the model is
+    loaded (or compiled, on a first start), then 200."""
     from paged_decode.runtime.errors import ConfigError
-    from paged_decode.serve import check_bind, load_engine, read_chat_template, run_server
-    from paged_decode.serve.app import create_app
+
+    if _will_build(opts):
+        # the build side before the runtime, so this process's TVM has its compiler
+        # (runtime/_tvm.py); a warm start skips it and loads the runtime library only
+        import paged_decode.compile.api  # noqa: F401
+    from paged_decode.serve import check_bind, read_chat_template, serve_while_loading
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     check_bind(host, api_key, allow_remote)  # before any compile
@@ -286,23 +464,49 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
         raise ConfigError("paged-serve needs batch buckets: leave --batch-buckets out (the "
                           "CPU's default is 2,4,8,16,32) or name some")
     template = None if chat_template is None else read_chat_template(chat_template)
-    prepared, _ = _prepare(**opts)
-    if not prepared.manifest.batch_buckets:
+    engines = []
+
+    def load():
+        from paged_decode.serve.app import create_app
+
+        engine = _serve_engine(opts, kv_cache_gb=kv_cache_gb, max_running=max_running,
+                               max_waiting=max_waiting, prefill_budget=prefill_budget,
+                               chat_template=template)
+        engines.append(engine)
+        return create_app(engine, served_model_name or engine.artifact.manifest.name,
+                          api_key=api_key)
+
+    def ready(_app, bound_port):
+        engine = engines[0]
+        _progress(f"serving {served_model_name or engine.artifact.manifest.name} on "
+                  f"http://{host}:{bound_port}/v1 ({engine.pool.num_blocks} KV blocks, "
+                  f"{engine.scheduler.max_running} running at most), ready after "
+                  f"{time.perf_counter() - t0:.2f} s")
+
+    t0 = time.perf_counter()
+    _progress(f"listening on http://{host}:{port} (/health answers 503 until the model is loaded)")
+    try:
+        serve_while_loading(load, host, port, shutdown_timeout=shutdown_timeout,
+                            log_level=log_level, on_ready=ready)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _serve_engine(opts, **engine_opts):
+    """The batching engine paged-serve runs: located (or built), loaded, remembered."""
+    from paged_decode.runtime.artifact import read_manifest
+    from paged_decode.runtime.errors import ConfigError
+    from paged_decode.serve import load_engine
+
+    found = _locate(opts)
+    found.say_where(_progress)
+    if not read_manifest(found.artifact_dir)[0].batch_buckets:
         raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "
                           "--batch-buckets (the CPU's default is 2,4,8,16,32)")
-    engine = load_engine(prepared.artifact_dir, prepared.weights_dir, kv_cache_gb=kv_cache_gb,
-                         max_running=max_running, max_waiting=max_waiting,
-                         prefill_budget=prefill_budget, chat_template=template)
-    try:
-        name = served_model_name or prepared.manifest.name
-        app = create_app(engine, name, api_key=api_key)
-        _progress(f"artifact: {prepared.artifact_dir}")
-        _progress(f"weights: {prepared.weights_dir}")
-        _progress(f"serving {name} on http://{host}:{port}/v1 ({engine.pool.num_blocks} KV "
-                  f"blocks, {engine.scheduler.max_running} running at most)")
-        run_server(app, host, port, shutdown_timeout=shutdown_timeout, log_level=log_level)
-    finally:
-        engine.close()
+    engine = load_engine(found.artifact_dir, found.weights_dir, **engine_opts)
+    found.remember()
+    return engine
 
 
 @click.command("paged-cache")

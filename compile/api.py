@@ -11,6 +11,10 @@ from typing import Callable
 
 import numpy as np
 
+from paged_decode.runtime._tvm import require_compiler
+
+require_compiler()  # before .build imports tvm.relax: a clear error in a runtime-only process
+
 from paged_decode.runtime.artifact import (buckets_arg, cli_target, compile_command, read_manifest,
                                            sha256_file)
 from paged_decode.runtime.errors import ArtifactError, ConfigError, WeightsError

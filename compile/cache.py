@@ -7,6 +7,10 @@ Layout under the artifact root::
   .locks/<name>.lock              one file lock per entry
   .tmp/<name>-<pid>-<rand>/       builds in progress (renamed into place when complete)
   .tmp/<name>.old-<pid>-<rand>/   a replaced entry, deleted right after the rename
+  .index/<request>.json           which entries a build request gave (runtime/locate.py)
+
+The root defaults to the user's cache folder (``~/.cache/paged-decode`` on Linux), never the
+installed package's folder.
 
 A complete entry is used without the lock (and without writing anything, so a read-only root
 serves its complete entries).  A build runs in a temp dir under the entry's file lock
@@ -36,39 +40,13 @@ from pathlib import Path
 from typing import Callable
 
 from paged_decode.runtime.errors import ArtifactError, ConfigError, LockTimeoutError
+from paged_decode.runtime.locate import ROOT_ENV, artifacts_root  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("on", "off", "redo", "readonly")
-ROOT_ENV = "PAGED_DECODE_ARTIFACTS"
 POLICY_ENV = "PAGED_DECODE_CACHE"
 LOCK_TIMEOUT_S = 600.0  # default wait for another builder of the same entry
-
-
-def artifacts_root(root: str | Path | None = None, create: bool = True) -> Path:
-    """``root``, else $PAGED_DECODE_ARTIFACTS, else the package's artifacts/ folder if writable,
-    else ~/.cache/paged-decode/artifacts; created unless ``create`` is False (for listing)."""
-    if root is None:
-        root = os.environ.get(ROOT_ENV)
-        if root is not None and not root.strip():
-            raise ConfigError(f"${ROOT_ENV} is set but empty; unset it (for the default root) or "
-                              "name a folder")
-    elif not str(root).strip():
-        raise ConfigError("--artifacts is empty; name a folder (or leave the option out for the "
-                          "default root)")
-    if root is None:
-        pkg = Path(__file__).resolve().parent.parent / "artifacts"
-        root = pkg if os.access(pkg if pkg.exists() else pkg.parent, os.W_OK) else (
-            Path.home() / ".cache" / "paged-decode" / "artifacts")
-    root = Path(root)
-    if not create:
-        return root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"artifact root {str(root)!r}: cannot use it as a folder ({e.strerror}); "
-                          f"pass --artifacts (or ${ROOT_ENV}) naming a writable folder") from e
-    return root
 
 
 def cache_policy(policy: str | None = None) -> str:

@@ -18,8 +18,8 @@ import shlex
 from pathlib import Path
 
 import numpy as np
-import tvm
-from tvm import relax
+from paged_decode.runtime._tvm import tvm
+from tvm.runtime import vm as relax  # relax.VirtualMachine, in the runtime library
 
 from .errors import ArtifactError, WeightsError
 from .host_memory import HostArena, on_host, to_tvm

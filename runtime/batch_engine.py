@@ -26,6 +26,8 @@ from .scheduler import Request, Scheduler, TokenLogprob
 from .tokenizer import Tokenizer
 
 _END = object()
+_POLL_S = 0.1  # how often a wait checks that the engine's thread still runs
+_CONSTRAINT_METHODS = ("allowed", "accept", "copy")  # TokenConstraint's (and ``done``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,7 @@ class RequestStream:
         self.error: BaseException | None = None
         self.finish_reason: str | None = None
         self._listener_error: BaseException | None = None
+        self._ended = threading.Event()  # set once finish_reason and error are
 
     # called on the engine's thread -------------------------------------------------------------
     def _push(self, token: int) -> bool:
@@ -105,13 +108,19 @@ class RequestStream:
         if self._listener_error is not None:  # its last pieces raised in the listener
             reason, error = "error", error or self._listener_error
         self.finish_reason, self.error = reason, error
+        self._ended.set()
         self._deliver(_END)
 
     # called by the user ------------------------------------------------------------------------
     def deltas(self) -> Iterator[Delta]:
-        """The pieces as :class:`Delta` objects (text with log-probabilities)."""
+        """The pieces as :class:`Delta` objects (text with log-probabilities).  A stream with a
+        listener has none to give (they went to the listener): :class:`InputError`."""
+        if self._listener is not None:
+            raise InputError("this stream has a listener: its pieces go to the listener, not "
+                             "to an iterator; use text() for the whole completion, or submit "
+                             "without listener=")
         while True:
-            piece = self._pieces.get()
+            piece = self._next_piece()
             if piece is _END:
                 self._pieces.put(_END)  # a second iteration ends at once
                 if self.error is not None:
@@ -123,8 +132,33 @@ class RequestStream:
         return (d.text for d in self.deltas() if d.text)
 
     def text(self) -> str:
-        """The whole completion (waits for the request to finish)."""
-        return "".join(self)
+        """The whole completion (waits for the request to finish; re-raises its error)."""
+        if self._listener is None:
+            return "".join(self)
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        return self._text
+
+    def wait(self) -> None:
+        """Wait until the request has ended (``finish_reason`` set);
+        :class:`EngineStoppedError` if the engine's thread stops first."""
+        while not self._ended.wait(_POLL_S):
+            self._check_engine()
+
+    def _next_piece(self):
+        while True:
+            try:
+                return self._pieces.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._check_engine()
+
+    def _check_engine(self) -> None:
+        """The engine's thread ends every stream before it stops; one still open when it has
+        stopped would wait forever."""
+        if not self._engine._thread.is_alive() and not self._ended.is_set():
+            raise EngineStoppedError("the engine's thread stopped before this request ended; "
+                                     "load a new engine")
 
     def cancel(self) -> None:
         """End the request at the engine's next step (its blocks are freed there)."""
@@ -203,8 +237,10 @@ class BatchEngine:
                                       "the engine's thread has stopped") + "; load a new one")
         if not (is_int(max_new_tokens) and max_new_tokens >= 1):
             raise InputError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
-        if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        if (isinstance(stop, str) or not isinstance(stop, (list, tuple))
+                or not all(isinstance(s, str) and s for s in stop)):
             raise InputError(f"stop={stop!r}: must be a list of non-empty strings")
+        _check_options(sampling, chat, constraint, listener)
         ignore_eos = isinstance(sampling, SamplingParams) and sampling.ignore_eos
         stop_ids = set(() if ignore_eos else self.tokenizer.eos_ids) | check_stop_ids(
             () if stop_token_ids is None else stop_token_ids, "stop_token_ids")
@@ -313,11 +349,13 @@ class BatchEngine:
     def _encode(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt, chat)
-        try:
-            return list(prompt)
-        except TypeError:
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise InputError(f"prompt={bytes(prompt[:20])!r} is bytes, not text or token ids; "
+                             "decode it (prompt.decode('utf-8')) or pass a list of token ids")
+        if not isinstance(prompt, Sequence) and not hasattr(prompt, "__array__"):
             raise InputError(f"prompt must be text or a list of token ids, got "
-                             f"{type(prompt).__name__}") from None
+                             f"{type(prompt).__name__}")
+        return list(prompt)  # each id checked by the scheduler (make_request)
 
     # the engine's thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -327,6 +365,22 @@ class BatchEngine:
                 msg = self._inbox.get(block=not sched.has_work)
             except queue.Empty:
                 msg = None
+        try:
+            self._run()
+        finally:  # whatever stopped the loop, no stream is left waiting
+            self._end_unended()
+
+    def _end_unended(self) -> None:
+        for stream in list(self._streams.values()):
+            if not stream._ended.is_set():
+                stream.finish_reason = "error"
+                stream.error = EngineStoppedError("the engine's thread stopped; load a new "
+                                                  "engine")
+                stream._ended.set()
+                if stream._listener is None:
+                    stream._pieces.put(_END)
+
+    def _run(self) -> None:
             if msg is not None:
                 kind, stream = msg
                 if kind == "close":
@@ -396,3 +450,21 @@ class BatchEngine:
         for req in list(sched.running) + list(sched.waiting):
             sched.cancel(req)
             self._retire(req, error)
+
+
+def _check_options(sampling, chat, constraint, listener) -> None:
+    """:class:`InputError` naming the first of ``submit_n``'s object arguments that is not what
+    it takes (each would otherwise fail later, on the engine's thread)."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise InputError(f"sampling={sampling!r}: must be a SamplingParams, or None for greedy")
+    if not isinstance(chat, bool):
+        raise InputError(f"chat={chat!r}: must be True or False")
+    if constraint is not None and not (
+            all(callable(getattr(constraint, m, None)) for m in _CONSTRAINT_METHODS)
+            and hasattr(constraint, "done")):
+        raise InputError(f"constraint={constraint!r}: must be a TokenConstraint (allowed, "
+                         "accept, copy, done), such as engine.grammars.json_schema(...); or "
+                         "None")
+    if listener is not None and not callable(listener):
+        raise InputError(f"listener={listener!r}: must be a callable (stream, delta) -> None, "
+                         "or None")

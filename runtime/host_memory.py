@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 
 import numpy as np
-import tvm
+from paged_decode.runtime._tvm import tvm
 
 KDL_CPU = 1  # DLPack device type of host memory
 HUGE_PAGE = 2 << 20

@@ -34,7 +34,7 @@ import threading
 from typing import NamedTuple
 
 import numpy as np
-import tvm
+from paged_decode.runtime._tvm import tvm
 
 from paged_decode.runtime.block_allocator import BlockAllocator
 from paged_decode.runtime.checks import check_array, check_int, is_int
@@ -288,8 +288,9 @@ class PagedKVCache:
             if on_host(self.device):
                 arena = HostArena.for_arrays([(shape, self.cache_dtype)] * n)
                 hosts = [arena.take(shape, self.cache_dtype) for _ in range(n)]
-                for host in hosts:
-                    host[...] = 0  # touch every page now, not during the first decode steps
+                # the mapping is zero already and left untouched: a page becomes resident when
+                # a block on it is first written, so a pool sized for many long sequences
+                # costs memory only as it fills (one huge-page fault per 2 MiB)
                 return tuple(to_tvm(host) for host in hosts)
             tensors = tuple(tvm.runtime.empty(shape, self.cache_dtype, self.device)
                             for _ in range(n))

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 
 import numpy as np
-import tvm
+from paged_decode.runtime._tvm import tvm
 
 from .artifact import Artifact, WeightPack
 from .checks import check_array, is_int

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
-import tvm
+from paged_decode.runtime._tvm import tvm
 
 from .artifact import Artifact, WeightPack
 from .errors import HandleError, InputError

@@ -9,7 +9,10 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from paged_decode.runtime.artifact import set_threads
+# the build side first: a process that imports the runtime first loads TVM without its
+# compiler (runtime/_tvm.py), and the tests compile
+import paged_decode.compile.api  # noqa: F401,E402  isort: skip
+from paged_decode.runtime.artifact import set_threads  # noqa: E402
 
 # TVM sizes its CPU pool once, at its first parallel launch: start it as the runtime does (every
 # core) whatever a test runs first, so kernel tests run on as many threads as sessions do.

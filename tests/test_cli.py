@@ -203,12 +203,12 @@ def test_cache_says_when_empty(runner, tmp_path):
 def test_readme_python_example_runs(artifact_root, monkeypatch):
     """The README's Python API block, executed as written (artifacts in the session's root)."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    block = readme.split("\n### Python\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))
     scope: dict = {}
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["logits"].shape == (scope["engine"].artifact.manifest.vocab_size,)
-    assert scope["session"].realize_count == 2  # realize_token and decode_raw
+    assert scope["session"].realize_count == 1  # realize_token (prefill is not a decode step)
 
 
 def test_bench_rejects_an_unknown_model_before_writing(runner, tmp_path):
@@ -221,7 +221,7 @@ def test_bench_rejects_an_unknown_model_before_writing(runner, tmp_path):
 def test_readme_batching_example_runs(artifact_root, monkeypatch, capsys):
     """The README's many-sequences block, run after the Python API block it builds on."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    first = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    first = readme.split("\n### Python\n", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     batch = readme.split("### Many sequences at once", 1)[1].split("```python\n", 1)[1]
     monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(artifact_root))
     scope: dict = {}
