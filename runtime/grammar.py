@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import ConfigError, GrammarError
+from .errors import GrammarError
 from .tokenizer import Tokenizer
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -43,6 +43,11 @@ class TokenConstraint(Protocol):
         """An independent constraint in the same state (for forked continuations)."""
 
 
+class GrammarUnavailableError(GrammarError):
+    """Structured output cannot be served for this tokenizer (llguidance is missing, or it
+    cannot read the tokenizer: a WordPiece decoder, say); other requests are unaffected."""
+
+
 class GrammarCompiler:
     """Builds :class:`TokenConstraint` objects for one tokenizer and model vocabulary.
 
@@ -52,13 +57,19 @@ class GrammarCompiler:
         try:
             import llguidance
         except ImportError as e:
-            raise ConfigError("structured output needs llguidance: pip install "
-                              "'paged-decode[serve]' (or pip install llguidance)") from e
+            raise GrammarUnavailableError("structured output needs llguidance: pip install "
+                                          "'paged-decode[serve]' (or pip install llguidance)"
+                                          ) from e
         self._llg = llguidance
         self.vocab_size = int(vocab_size)
         eos = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
-        self._tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(),
-                                                 n_vocab=self.vocab_size, eos_token=eos)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(),
+                                                     n_vocab=self.vocab_size, eos_token=eos)
+        except (ValueError, TypeError, RuntimeError) as e:  # llguidance's word for "cannot"
+            raise GrammarUnavailableError(f"structured output is not available for this "
+                                          f"model's tokenizer: llguidance cannot index it "
+                                          f"({e})") from e
 
     def json_schema(self, schema: dict | None = None) -> "LLGuidanceConstraint":
         """Output that parses as JSON and validates against ``schema`` (None: any object)."""
@@ -72,6 +83,30 @@ class GrammarCompiler:
         except (ValueError, TypeError) as e:
             raise GrammarError(f"the JSON schema is not usable ({e})") from e
         return self._matcher(grammar, "the JSON schema")
+
+    def regex(self, pattern: str) -> "LLGuidanceConstraint":
+        """Output that matches the regular expression ``pattern`` (Rust ``regex`` syntax)."""
+        if not isinstance(pattern, str):
+            raise GrammarError(f"a regex must be a string, got {type(pattern).__name__}")
+        try:
+            grammar = self._llg.LLMatcher.grammar_from_regex(pattern)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"the regex is not usable ({e})") from e
+        return self._matcher(grammar, "the regex")
+
+    def choice(self, options: list[str]) -> "LLGuidanceConstraint":
+        """Output that is exactly one of ``options`` (non-empty strings)."""
+        if not (isinstance(options, list) and options
+                and all(isinstance(o, str) and o for o in options)):
+            raise GrammarError(f"choices must be a non-empty list of non-empty strings, got "
+                               f"{options!r}")
+        # Lark string literals take JSON's escapes, so json.dumps quotes any text safely
+        lark = "start: " + " | ".join(json.dumps(o) for o in dict.fromkeys(options))
+        try:
+            grammar = self._llg.LLMatcher.grammar_from_lark(lark)
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"the choices are not usable ({e})") from e
+        return self._matcher(grammar, "the choices")
 
     def _matcher(self, grammar: str, what: str) -> "LLGuidanceConstraint":
         error = self._llg.LLMatcher.validate_grammar(grammar, self._tokenizer)

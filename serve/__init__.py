@@ -143,6 +143,127 @@ def draining_server(config, abort_all, shutdown_timeout: float):
     return _Draining(config)
 
 
+def bind_socket(host: str, port: int):
+    """A listening TCP socket on ``host:port``, bound now (the server answers "loading" on it
+    while the model loads); a port in use or an address this machine lacks is a
+    :class:`ConfigError` naming it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror})") from e
+    family, kind, proto, _name, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); is another "
+                          "server using the port? choose another with --port") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+class LoadingApp:
+    """The ASGI app a server runs while its model loads: ``/health`` answers 503
+    ``{"status": "loading"}`` (llama-server's convention, so an orchestrator tells loading
+    from dead), every other path 503 in OpenAI's error shape with ``Retry-After``; once
+    :meth:`ready` hands it the real app, every request goes there."""
+
+    def __init__(self):
+        self.app = None
+
+    def ready(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            return await self._lifespan(receive, send)
+        if scope["type"] != "http":
+            return None
+        import json
+
+        body = ({"status": "loading"} if scope["path"] == "/health" else
+                {"error": {"message": "the model is loading; retry shortly", "type":
+                           "unavailable", "param": None, "code": 503}})
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"retry-after", b"1"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+        return None
+
+    async def _lifespan(self, receive, send):
+        """Startup at once (the model loads meanwhile); whoever made the engine closes it."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def serve_while_loading(load, host: str, port: int, *, shutdown_timeout: float,
+                        log_level: str = "info", on_ready=None) -> None:
+    """Bind ``host:port`` now, answer "loading" (:class:`LoadingApp`) while ``load()`` builds
+    the app on a thread of its own, then serve it until SIGINT / SIGTERM (as
+    :func:`run_server`).  ``on_ready(app, port)`` runs once the app serves.  An error of
+    ``load()`` stops the server and is raised here."""
+    import threading
+
+    import uvicorn
+
+    sock = bind_socket(host, port)
+    loading = LoadingApp()
+    config = uvicorn.Config(loading, log_level=log_level, lifespan="on")
+    server = draining_server(config, lambda: loading.app and loading.app.state.server.abort_all(),
+                             shutdown_timeout)
+
+    failed: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            app = load()
+        except BaseException as e:  # handed to the main thread, which raises it
+            failed.append(e)
+            server.should_exit = True
+            return
+        loading.ready(app)
+        if on_ready is not None:
+            on_ready(app, sock.getsockname()[1])
+
+    thread = threading.Thread(target=build, name="paged-serve-load", daemon=True)
+    thread.start()
+    try:
+        _run(server, [sock])
+    finally:
+        sock.close()
+    if thread.is_alive():  # stopped while loading: nothing serves yet, nothing to drain
+        log.info("stopped before the model finished loading")
+        return
+    if failed:
+        raise failed[0]
+
+
+def _run(server, sockets=None) -> None:
+    # uvicorn raises the signal it caught again once it has shut down; a no-op handler in
+    # place of the default makes that a normal return (exit status 0) instead of a kill
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=sockets)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_server(app, host: str, port: int, *, shutdown_timeout: float,
                log_level: str = "info") -> None:
     """Serve until SIGINT / SIGTERM: stop accepting, let running requests finish for up to
@@ -151,13 +272,4 @@ def run_server(app, host: str, port: int, *, shutdown_timeout: float,
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
-    server = draining_server(config, app.state.server.abort_all, shutdown_timeout)
-    # uvicorn raises the signal it caught again once it has shut down; a no-op handler in
-    # place of the default makes that a normal return (exit status 0) instead of a kill
-    previous = {sig: signal.signal(sig, lambda *_: None)
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    _run(draining_server(config, app.state.server.abort_all, shutdown_timeout))

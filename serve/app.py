@@ -12,62 +12,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from paged_decode.runtime.errors import (CapacityError, EngineStoppedError, GrammarError,
-                                         InputError, PagedDecodeError, QueueFullError)
-from paged_decode.runtime.sampling import SamplingParams
+from paged_decode.runtime.errors import (CapacityError, EngineStoppedError, InputError,
+                                         PagedDecodeError, QueueFullError)
 
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, SamplingBody, param_of
-from .render import Choice, render_chunk, render_response
+from .body import parse_json, read_body, validate
+from .controls import build_grammar, grammar_spec, sampling_params
+from .protocol import APIError, ChatRequest, CompletionRequest, SamplingBody
+from .page import add_chat_page
+from .render import Choice, render_chunk, render_events, render_response
+from .routes import add_cors, add_routes, install_errors
+from .tools import prompt_ids as tool_prompt_ids, tool_plan
+
+log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 _DISCONNECT_POLL_S = 0.5
 
 
-def create_app(engine, model_name: str, *, api_key: str | None = None,
-               owns_engine: bool = False) -> FastAPI:
-    """The app serving ``engine`` as the model ``model_name``.  With ``api_key`` every /v1
-    route needs ``Authorization: Bearer <api_key>``; /health and /metrics stay open.  With
-    ``owns_engine`` the app closes the engine when it shuts down."""
+def create_app(engine, model_name: str | list[str], *, api_key: str | None = None,
+               owns_engine: bool = False, tool_parser: str | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """The app serving ``engine`` as the model ``model_name`` (or a list of names: the first,
+    then its aliases).  With ``api_key`` every /v1 route and /tokenize, /detokenize need
+    ``Authorization: Bearer <api_key>``; /health and /metrics stay open.  ``allowed_origins``:
+    the browser origins CORS lets in (``["*"]`` for any).  With
+    ``owns_engine`` the app closes the engine when it shuts down.  ``tool_parser``: the tool-call
+    syntax (serve/tool_format.py) instead of the one the chat template shows."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        await asyncio.to_thread(server.probe_structured_output)
         yield
         if owns_engine:
             engine.close()
 
     app = FastAPI(title="paged-decode", version="1", lifespan=lifespan)
-    server = _Server(engine, model_name, api_key)
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    server = _Server(engine, names, api_key)
+    model_name = names[0]
     app.state.server = server
+    install_errors(app, server)
+    add_cors(app, allowed_origins)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return server.error_response(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = exc.errors() or [{"loc": ("body",), "msg": "invalid body"}]
-        # of a union's alternatives, the error that went deepest into the value says most
-        first = max(errors, key=lambda e: sum(isinstance(p, int) for p in e.get("loc", ())))
-        if first.get("type") == "json_invalid":
-            return server.error_response(request, APIError(
-                400, f"the request body is not valid JSON ({first.get('msg')})"))
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if tuple(first.get("loc", ())) == ("body",) and kind != "application/json":
-            return server.error_response(request, APIError(
-                400, f"the request body must be JSON sent with 'Content-Type: "
-                f"application/json' (got {kind or 'no Content-Type'!r})"))
-        param = param_of(tuple(first.get("loc", ("body",))))
-        msg = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's, for our checks
-        return server.error_response(request, APIError(400, f"{param}: {msg}", param))
+    add_chat_page(app, model_name)
 
     @app.get("/health")
     async def health():
@@ -79,24 +75,22 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
     async def metrics():
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        server.authorize(request)
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": server.started,
-            "owned_by": "paged-decode", "max_model_len": engine.artifact.max_tokens}]}
+    add_routes(app, server)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        server.authorize(request)
+    async def completions(request: Request):
+        server.authorize(request)  # before the body is read: no key, no parsing
+        body = await server.parse(request, CompletionRequest)
         prompts = server.completion_prompts(body)
         return await server.generate(request, body, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    async def chat(request: Request):
         server.authorize(request)
-        prompts = [server.chat_prompt(body)]
-        return await server.generate(request, body, prompts, chat=True)
+        body = await server.parse(request, ChatRequest)
+        plan = tool_plan(body, engine.tokenizer, tool_parser)  # None: no tools (serve/tools.py)
+        prompts = [server.chat_prompt(body, plan)]
+        return await server.generate(request, body, prompts, chat=True, tools=plan)
 
     return app
 
@@ -104,8 +98,10 @@ def create_app(engine, model_name: str, *, api_key: str | None = None,
 class _Server:
     """What the routes share: the engine, the served name, the metrics."""
 
-    def __init__(self, engine, model_name: str, api_key: str | None):
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+    def __init__(self, engine, names: list[str], api_key: str | None):
+        self.engine, self.names, self.api_key = engine, names, api_key
+        self.model_name = names[0]
+        self.structured: str | None = None  # why structured output is unavailable, if it is
         self.metrics = Metrics(engine)
         self.started = int(time.time())
         self.aborting = False  # past the shutdown timeout: new submissions are refused
@@ -119,10 +115,37 @@ class _Server:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            kind="authentication_error")
 
+    async def parse(self, request: Request, model):
+        """The request's body as ``model`` (body.py: bounded, strict)."""
+        return validate(model, parse_json(await read_body(request),
+                                          request.headers.get("content-type")))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(400, f"the model '{name}' is not served here; this server serves "
+                           f"{', '.join(map(repr, self.names))} (GET /v1/models)", "model")
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started,
+                "owned_by": "paged-decode", "max_model_len": self.engine.artifact.max_tokens,
+                "structured_output": {"available": self.structured is None,
+                                      "reason": self.structured}}
+
+    def probe_structured_output(self) -> None:
+        """Build the grammar index now (off the event loop), so the start-up log and
+        /v1/models say whether structured output is available for this tokenizer."""
+        from paged_decode.runtime.grammar import GrammarUnavailableError
+
+        try:
+            self.engine.grammars
+        except GrammarUnavailableError as e:
+            self.structured = str(e)
+            log.warning("structured output (response_format, guided_*) is unavailable: %s", e)
+        else:
+            log.info("structured output (response_format, guided_*): available (llguidance)")
+
     def check_common(self, body: SamplingBody) -> None:
-        if body.model != self.model_name:
-            raise APIError(400, f"the model '{body.model}' is not served here; this server "
-                           f"serves '{self.model_name}' (GET /v1/models)", "model")
+        self.check_model(body.model)
         bad = body.unsupported()
         if bad:
             raise APIError(400, f"{bad[0]} is not supported by this server; leave it out",
@@ -145,22 +168,35 @@ class _Server:
                            "start from; pass some text", "prompt")
         return out
 
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
+    def chat_prompt(self, body: ChatRequest, plan=None) -> list[int]:
         self.check_common(body)
         tok = self.engine.tokenizer
         if tok.chat_template is None:
             raise APIError(400, "this model has no chat template: use /v1/completions, or "
                            "start the server with --chat-template FILE", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = tool_prompt_ids(tok, body, plan)
+        if ids is not None:  # tools offered, or calls and results in the history
+            return ids
+        return self.chat_ids(body.messages)
+
+    def chat_ids(self, messages, generation_prompt: bool = True) -> list[int]:
+        """Plain messages (no tools) through the chat template, encoded without a second
+        BOS; a message's ``name`` reaches the template as the message's ``name``."""
+        tok = self.engine.tokenizer
+        if tok.chat_template is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions, or "
+                           "start the server with --chat-template FILE", "messages")
+        rows = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {})
+                for m in messages]
         try:
-            return tok.encode(tok.apply_chat_template(messages), add_bos=False)
+            return tok.encode(tok.apply_chat_template(rows, generation_prompt), add_bos=False)
         except InputError as e:
             raise APIError(400, f"messages: {e}", "messages") from e
 
     # -- one request --------------------------------------------------------------------------
     async def generate(self, request: Request, body: SamplingBody, prompts: list[list[int]],
-                       chat: bool):
-        job = await self._job(body, prompts, chat)
+                       chat: bool, tools=None):
+        job = await self._job(body, prompts, chat, tools)
         queue: asyncio.Queue = asyncio.Queue()
         streams = self._submit(job, queue)
         count = self.metrics.requests.labels(request.url.path, "200").inc
@@ -178,9 +214,10 @@ class _Server:
             raise APIError(500, f"the generation failed: {type(failed).__name__}: {failed}",
                            kind="server_error")
         count()
-        return render_response(job, choices, self.engine.tokenizer)
+        return _with_cached(render_response(job, choices, self.engine.tokenizer), job, streams)
 
-    async def _job(self, body: SamplingBody, prompts: list[list[int]], chat: bool) -> dict:
+    async def _job(self, body: SamplingBody, prompts: list[list[int]], chat: bool,
+                   tools=None) -> dict:
         field = "max_tokens"
         if isinstance(body, ChatRequest):
             if body.max_completion_tokens is not None:
@@ -194,16 +231,14 @@ class _Server:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop: every stop string must be non-empty", "stop")
-        try:
-            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                                      top_k=max(body.top_k, 0), seed=body.seed)
-        except InputError as e:
-            raise APIError(400, str(e)) from e
-        return {"chat": chat, "model": self.model_name, "n": body.n, "prompts": prompts,
-                "max_tokens": [self._max_tokens(p, max_tokens, field, chat) for p in prompts],
-                "sampling": sampling, "stop": stop, "stop_ids": self._stop_ids(body),
-                "top_logprobs": top,
-                "grammar": await self._grammar(body.response_format),
+        limits = [self._max_tokens(p, max_tokens, field, chat) for p in prompts]
+        sampling = sampling_params(body, self.engine.artifact.manifest.vocab_size, limits)
+        return {"chat": chat, "model": body.model, "n": body.n, "prompts": prompts,
+                "max_tokens": limits, "sampling": sampling, "stop": stop,
+                "stop_ids": self._stop_ids(body), "top_logprobs": top,
+                "grammar": (await build_grammar(self.engine, grammar_spec(body)) if tools is None
+                            else await tools.constraint(self.engine)),
+                "tools": tools,
                 "include_usage": bool(body.stream_options and body.stream_options.include_usage),
                 "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
                 "created": int(time.time())}
@@ -238,20 +273,6 @@ class _Server:
                            f"{where} exceed what fits, {holder} tokens; at most {room} fit",
                            field)
         return asked
-
-    async def _grammar(self, fmt):
-        if fmt is None or fmt.type == "text":
-            return None
-        schema = None
-        if fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise APIError(400, "response_format.json_schema.schema is required for "
-                               "type json_schema", "response_format.json_schema.schema")
-            schema = fmt.json_schema.schema_
-        try:  # the tokenizer index (first use) and the grammar are built off the event loop
-            return await asyncio.to_thread(lambda: self.engine.grammars.json_schema(schema))
-        except GrammarError as e:
-            raise APIError(400, f"response_format: {e}", "response_format") from e
 
     def _submit(self, job: dict, queue: asyncio.Queue) -> list:
         # on the event loop's thread, as abort_all: no submission slips in after the abort
@@ -359,17 +380,29 @@ class _Server:
                                               f"{type(stream.error).__name__}: {stream.error}",
                                               kind="server_error").body())
                         continue
-                yield _event(render_chunk(job, choice, delta=delta, tokenizer=tok))
+                for obj in render_events(job, choice, delta=delta, tokenizer=tok):
+                    yield _event(obj)
             if job["include_usage"]:
-                yield _event(render_chunk(job, None, usage_of=choices, tokenizer=tok))
+                usage = render_chunk(job, None, usage_of=choices, tokenizer=tok)
+                yield _event(_with_cached(usage, job, streams))
             yield "data: [DONE]\n\n"
         finally:
             self._cancel(streams)
 
     def error_response(self, request: Request, exc: APIError) -> JSONResponse:
-        if request.url.path.startswith("/v1/"):
-            self.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        route = request.scope.get("route")  # a route's template: no label per unknown path
+        if route is not None and request.url.path.startswith("/v1/"):
+            self.metrics.requests.labels(route.path, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _with_cached(out: dict, job: dict, streams) -> dict:
+    """``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache
+    held, counted once per prompt (its first continuation prefilled it)."""
+    heads = streams[::job["n"]]
+    cached = sum(s.request.cached_tokens for s in heads)
+    out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def _event(obj: dict) -> str:

@@ -24,7 +24,7 @@ from .conftest import CHAT_TEMPLATE, _byte_bpe_tokenizer, _randomize, _save
 from .test_serve import Served
 
 QWEN_TEMPLATE = (Path(__file__).parent / "data" / "qwen2_5_tools.jinja").read_text()
-OPTS = dict(block_size=16, max_context=1024, batch_buckets=(2, 4))
+OPTS = dict(block_size=16, max_context=2048, batch_buckets=(2, 4))
 VOCAB = 320
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -265,3 +265,143 @@ def test_auto_text_never_spells_out_the_opening():
     for t in tok.encode("see <tool_call", add_bos=False):
         constraint.accept(t)
     assert not constraint.allowed()[tok.encode(">", add_bos=False)[0]]
+
+
+# -- the OpenAI client against a live server ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(build, qwen_tools_ckpt):
+    s = Served(build(qwen_tools_ckpt.path, **OPTS), "qwen-tools", max_running=4)
+    yield s
+    s.close()
+
+
+def _hf_prompt_len(ckpt, messages, tools) -> int:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(ckpt.path)
+    return len(hf.apply_chat_template(messages, tools=tools, tokenize=True,
+                                      add_generation_prompt=True)["input_ids"])
+
+
+def _call_history(message) -> dict:
+    return {"role": "assistant", "content": message.content, "tool_calls": [
+        {"id": c.id, "type": "function",
+         "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in message.tool_calls]}
+
+
+def _follow_up(first: dict, calls) -> list[dict]:
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": '{"temperature": 21}'}
+               for c in first["tool_calls"]]
+    return [{"role": "user", "content": "weather in Paris?"}, first] + results
+
+
+def test_weather_round_trip(served, qwen_tools_ckpt):
+    """The call (tool_choice required), the tool's result, the final answer (auto)."""
+    user = [{"role": "user", "content": "weather in Paris?"}]
+    r = served.client.chat.completions.create(model="qwen-tools", messages=user, tools=TOOLS,
+                                              tool_choice="required", temperature=0,
+                                              parallel_tool_calls=False, max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert calls and all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    _validate(calls)
+    history = _follow_up(_call_history(choice.message), calls)
+    final = served.client.chat.completions.create(model="qwen-tools", messages=history,
+                                                  tools=TOOLS, temperature=0, max_tokens=16)
+    hf_history = [dict(m) for m in history]
+    hf_history[1] = {**history[1], "content": "", "tool_calls": [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in history[1]["tool_calls"]]}
+    assert final.usage.prompt_tokens == _hf_prompt_len(qwen_tools_ckpt, hf_history, TOOLS)
+    answer = final.choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    if answer.message.tool_calls:  # auto: the random model may call again, within the schema
+        _validate([c.model_dump() for c in answer.message.tool_calls])
+    else:
+        assert isinstance(answer.message.content, str)
+
+
+def _reassemble(stream) -> tuple[str, list[dict], str | None]:
+    """Stream chunks put together as OpenAI's client documentation does it."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "type": "function",
+                                                   "function": {"name": "", "arguments": ""}})
+                call["id"] = tc.id or call["id"]
+                call["function"]["name"] += (tc.function.name or "") if tc.function else ""
+                call["function"]["arguments"] += (tc.function.arguments or "") \
+                    if tc.function else ""
+            finish = choice.finish_reason or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+def test_weather_round_trip_streamed(served):
+    user = [{"role": "user", "content": "weather in Paris?"}]
+    # one call: a random model given the choice may open call after call until max_tokens
+    kwargs = dict(model="qwen-tools", tools=TOOLS, temperature=0, max_tokens=120,
+                  parallel_tool_calls=False)
+    content, calls, finish = _reassemble(served.client.chat.completions.create(
+        messages=user, tool_choice="required", stream=True, **kwargs))
+    whole = served.client.chat.completions.create(messages=user, tool_choice="required",
+                                                  **kwargs).choices[0].message
+    assert finish == "tool_calls" and content == ""
+    assert [c["function"] for c in calls] == [c.function.model_dump() for c in whole.tool_calls]
+    assert all(c["id"] for c in calls)
+    _validate(calls)
+    history = _follow_up({"role": "assistant", "content": None, "tool_calls": calls}, calls)
+    content, more, finish = _reassemble(served.client.chat.completions.create(
+        messages=history, stream=True, **{**kwargs, "max_tokens": 16}))
+    assert finish in ("stop", "length", "tool_calls")
+    _validate(more)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_enforced_calls_always_validate(served, choice):
+    """20 seeded samples at temperature 1: every one is calls only, arguments valid."""
+    for seed in range(20):
+        r = served.client.chat.completions.create(
+            model="qwen-tools", messages=[{"role": "user", "content": "go"}], tools=TOOLS,
+            tool_choice=choice, temperature=1, seed=seed, max_tokens=200,
+            parallel_tool_calls=False)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", (seed, c)
+        calls = [t.model_dump() for t in c.message.tool_calls]
+        if isinstance(choice, dict):
+            assert [t["function"]["name"] for t in calls] == ["get_weather"]
+        _validate(calls)
+
+
+def test_legacy_functions_answer_with_function_call(served):
+    r = served.client.chat.completions.create(
+        model="qwen-tools", messages=[{"role": "user", "content": "go"}],
+        functions=[t["function"] for t in TOOLS], function_call={"name": "get_time"},
+        temperature=0, max_tokens=60)
+    c = r.choices[0]
+    assert c.finish_reason == "function_call" and c.message.tool_calls is None
+    jsonschema.validate(json.loads(c.message.function_call.arguments), TIME)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(served, fields, param):
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **fields}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.chat.completions.create(model="qwen-tools", max_tokens=4, **body)
+    assert e.value.body["param"] == param
+    assert served.all_free()
