@@ -267,13 +267,19 @@ class BatchEngine:
     @property
     def grammars(self):
         """The :class:`~paged_decode.runtime.grammar.GrammarCompiler` of this model's tokenizer
-        (built at first use)."""
+        (built at first use); :class:`~paged_decode.runtime.grammar.GrammarUnavailableError`
+        where this tokenizer cannot have one (decided once, not retried per request)."""
+        from .grammar import GrammarCompiler, GrammarUnavailableError
+
         with self._grammars_lock:
             if self._grammars is None:
-                from .grammar import GrammarCompiler
-
-                self._grammars = GrammarCompiler(self.tokenizer,
-                                                 self.artifact.manifest.vocab_size)
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer,
+                                                     self.artifact.manifest.vocab_size)
+                except GrammarUnavailableError as e:
+                    self._grammars = e
+            if isinstance(self._grammars, GrammarUnavailableError):
+                raise GrammarUnavailableError(str(self._grammars))
             return self._grammars
 
     @property
@@ -359,12 +365,6 @@ class BatchEngine:
 
     # the engine's thread ----------------------------------------------------------------------
     def _loop(self) -> None:
-        sched = self.scheduler
-        while True:
-            try:
-                msg = self._inbox.get(block=not sched.has_work)
-            except queue.Empty:
-                msg = None
         try:
             self._run()
         finally:  # whatever stopped the loop, no stream is left waiting
@@ -381,6 +381,12 @@ class BatchEngine:
                     stream._pieces.put(_END)
 
     def _run(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                msg = self._inbox.get(block=not sched.has_work)
+            except queue.Empty:
+                msg = None
             if msg is not None:
                 kind, stream = msg
                 if kind == "close":
