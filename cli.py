@@ -425,8 +425,14 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
               help="require 'Authorization: Bearer KEY' on /v1 [env PAGED_DECODE_API_KEY]")
 @click.option("--allow-remote", is_flag=True,
               help="bind a non-loopback address without an API key")
-@click.option("--served-model-name", default=None,
-              help="the model id clients send (default: the artifact's model name)")
+@click.option("--served-model-name", multiple=True,
+              help="the model id clients send (default: the artifact's model name); repeat "
+              "for aliases: the first is the name /v1/models lists first")
+@click.option("--allowed-origins", default=None,
+              help="browser origins CORS lets in, comma-separated ('*': any); default none")
+@click.option("--tool-call-parser", default=None,
+              type=click.Choice(["hermes", "llama3_json", "mistral"]),
+              help="how tool calls are written (default: chosen from the chat template)")
 @click.option("--chat-template", default=None, type=click.Path(dir_okay=False),
               help="a Jinja chat template file, for models without one or to replace it")
 @click.option("--max-running", default=None, type=click.IntRange(min=1),
@@ -444,8 +450,9 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @_clean_errors
-def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_template, max_running,
-              max_waiting, prefill_budget, kv_cache_gb, shutdown_timeout, log_level, **opts):
+def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_origins,
+              tool_call_parser, chat_template, max_running, max_waiting, prefill_budget,
+              kv_cache_gb, shutdown_timeout, log_level, **opts):
     """Serve the model over HTTP with the OpenAI API (completions, chat, streaming).
 
     The port is bound at once: /health answers 503 {"status": "loading"} until the model is
@@ -464,6 +471,13 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
         raise ConfigError("paged-serve needs batch buckets: leave --batch-buckets out (the "
                           "CPU's default is 2,4,8,16,32) or name some")
     template = None if chat_template is None else read_chat_template(chat_template)
+    origins = None if allowed_origins is None else [
+        o.strip() for o in allowed_origins.split(",") if o.strip()]
+    if origins is not None and not origins:
+        raise ConfigError(f"--allowed-origins {allowed_origins!r} names no origin; give "
+                          "comma-separated origins such as http://localhost:3000, or '*'")
+    if any(not n.strip() for n in served_model_name):
+        raise ConfigError("--served-model-name is empty; name the model id clients send")
     engines = []
 
     def load():
@@ -473,12 +487,13 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, chat_templat
                                max_waiting=max_waiting, prefill_budget=prefill_budget,
                                chat_template=template)
         engines.append(engine)
-        return create_app(engine, served_model_name or engine.artifact.manifest.name,
-                          api_key=api_key)
+        return create_app(engine, list(served_model_name) or engine.artifact.manifest.name,
+                          api_key=api_key, tool_parser=tool_call_parser, allowed_origins=origins)
 
     def ready(_app, bound_port):
         engine = engines[0]
-        _progress(f"serving {served_model_name or engine.artifact.manifest.name} on "
+        name = served_model_name[0] if served_model_name else engine.artifact.manifest.name
+        _progress(f"serving {name} on "
                   f"http://{host}:{bound_port}/v1 ({engine.pool.num_blocks} KV blocks, "
                   f"{engine.scheduler.max_running} running at most), ready after "
                   f"{time.perf_counter() - t0:.2f} s")
