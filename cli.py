@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from paged_decode.progress import Progress
 from paged_decode.runtime.errors import ArtifactError, CapacityError, InputError, PagedDecodeError
 from paged_decode.runtime.versions import PACKAGE_VERSION
 
@@ -79,13 +80,17 @@ def _clean_errors(fn):
         try:
             return fn(*args, **kwargs)
         except PagedDecodeError as e:
+            _PROGRESS.close()
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
     return wrapper
 
 
+_PROGRESS = Progress()
+
+
 def _progress(msg: str) -> None:
-    click.echo(f"[{time.strftime('%H:%M:%S')}] {msg}", err=True)
+    _PROGRESS(msg)
 
 
 def build_options(fn):
@@ -206,6 +211,7 @@ def _will_build(opts: dict) -> bool:
 @build_options
 @click.option("--print-key", is_flag=True, help="print the artifact key and exit")
 @click.option("-v", "--verbose", is_flag=True)
+@_version
 @_clean_errors
 def compile_cmd(print_key, verbose, **opts):
     """Compile a model into a versioned artifact (cached by its key)."""
@@ -449,6 +455,7 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
               help="seconds running requests get to finish after SIGTERM")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@_version
 @_clean_errors
 def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_origins,
               tool_call_parser, chat_template, max_running, max_waiting, prefill_budget,
@@ -526,9 +533,11 @@ def _serve_engine(opts, **engine_opts):
 
 @click.command("paged-cache")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
-@click.option("--clear", is_flag=True, help="delete every artifact and weight pack")
+@click.option("--clear", is_flag=True, help="delete every artifact and weight pack (asks first)")
+@click.option("--yes", "-y", is_flag=True, help="with --clear: delete without asking")
+@_version
 @_clean_errors
-def cache_cmd(artifacts, clear):
+def cache_cmd(artifacts, clear, yes):
     """List (or clear) cached artifacts."""
     from paged_decode.compile.cache import artifacts_root
 
@@ -541,10 +550,17 @@ def cache_cmd(artifacts, clear):
     for p in entries + packs:
         size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
         click.echo(f"{size / 1e6:10.2f} MB  {p}{' (a link)' if p.is_symlink() else ''}")
-        if clear:
-            _remove(p)
-    if clear:
-        click.echo(f"cleared {len(entries)} artifacts and {len(packs)} weight packs in {root}")
+    if not clear or not entries + packs:
+        return
+    if not yes and not click.confirm(f"delete these {len(entries)} artifacts and {len(packs)} "
+                                     f"weight packs in {root}?", default=False, err=True):
+        click.echo("nothing deleted", err=True)
+        sys.exit(1)
+    for p in entries + packs:
+        _remove(p)
+    if (root / ".index").is_dir():  # the remembered requests name what was just deleted
+        _remove(root / ".index")
+    click.echo(f"cleared {len(entries)} artifacts and {len(packs)} weight packs in {root}")
 
 
 @click.command("paged-bench")
@@ -574,6 +590,7 @@ def cache_cmd(artifacts, clear):
 @click.option("--block-size", default=None, type=int,
               help="KV-cache block size of the artifacts measured (default: the CPU's, 64)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
+@_version
 @_clean_errors
 def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifacts):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
@@ -587,6 +604,7 @@ def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifact
 
 
 @click.group()
+@_version
 def main():
     """paged-decode: compiled paged-KV decode for Llama-family models."""
 

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -101,11 +102,12 @@ def artifact_name(spec: BuildSpec, target: TargetSpec) -> str:
 
 
 def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str,
-                    model_arg: str, **lock) -> tuple[Path, bool]:
+                    model_arg: str, stage=None, **lock) -> tuple[Path, bool]:
     """The artifact folder for ``spec`` on ``target`` under ``root`` (built under its lock
     unless ``policy`` reuses it), and whether it was a cache hit.  ``model_arg``: what
-    ``--model`` takes to name the model again, for the rebuild hints; ``lock``: ``lock_timeout``
-    and ``waiting`` of :func:`~.cache.locked_build`."""
+    ``--model`` takes to name the model again, for the rebuild hints; ``stage``: told each
+    compile step (:func:`~.build.compile_library`); ``lock``: ``lock_timeout`` and ``waiting``
+    of :func:`~.cache.locked_build`."""
     name = artifact_name(spec, target)
     options = {"target": cli_target(target.key_string), "block_size": spec.block_size,
                "max_blocks_cap": spec.max_blocks_cap, "cache_dtype": spec.cache_dtype,
@@ -113,7 +115,7 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
     hint = compile_command(model_arg, options, root)
     if spec.batch_buckets != default_buckets(target.kind):
         hint += f" --batch-buckets {buckets_arg(spec.batch_buckets)}"
-    return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg),
+    return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg, stage),
                               _manifest_complete, policy, hint, **lock)
 
 
@@ -293,9 +295,20 @@ def prepare(model: str | ModelSource | None = None, *, target: str | None = None
         raise ConfigError(f"lock_timeout={lock_timeout!r}: must be a number of seconds >= 0 "
                           "(flag --lock-timeout)")
     lock = {"lock_timeout": float(lock_timeout), "waiting": progress}
+    t0 = time.perf_counter()
     art_dir, hit = ensure_artifact(spec, tspec, root, policy,
-                                   source.cli_name or source.config.name, **lock)
+                                   source.cli_name or source.config.name,
+                                   _stage_lines(say, t0, "compile"), **lock)
     say(weights_line(source.config.name, spec.weight_dtype, spec.weight_formats))
     w_dir, w_hit = ensure_weights(source, spec.weight_dtype, root, policy,
                                   spec.weight_formats, **lock)
+    if not (hit and w_hit) and policy != "off":
+        say(f"built in {time.perf_counter() - t0:.0f} s, once: cached for next time under {root}")
     return Prepared(art_dir, w_dir, read_manifest(art_dir)[0], hit, w_hit)
+
+
+def _stage_lines(say: Callable[[str], None], t0: float, what: str):
+    """``stage(i, n, text)`` as a ``[i/n] compile: text (elapsed)`` progress line."""
+    def stage(i: int, n: int, text: str) -> None:
+        say(f"[{i}/{n}] {what}: {text} ({time.perf_counter() - t0:.0f} s so far)")
+    return stage

@@ -8,13 +8,14 @@ are not in it.  See :mod:`paged_decode.compile.cache` for where artifacts live.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import tvm
 from tvm import relax
@@ -182,19 +183,35 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     return tvm.transform.Sequential([base, _mark_all_noalias])
 
 
+# what a compile says before each of its steps (the second takes most of the time)
+STAGES = ("writing the kernels and the graph", "optimising and generating machine code",
+          "linking the library")
+
+
+# the reporter of the build in progress: set by build_into around compile_library, whose
+# four-argument signature is what callers that wrap or replace it rely on
+_STAGE: contextvars.ContextVar = contextvars.ContextVar("stage", default=None)
+
+
 def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir: Path) -> Path:
-    """Build and export the library into ``out_dir``; returns its path."""
+    """Build and export the library into ``out_dir``; returns its path.  The ``stage`` given
+    to :func:`build_into` is told ``(i, n, what)`` before each of the steps of :data:`STAGES`."""
+    say = _STAGE.get() or (lambda _i, _n, _what: None)
     missing = target.missing_toolchain()
     if missing:
         raise CompileError(f"cannot build {spec.config.name} for {target.name or target.kind}: "
                            f"{missing}")
     try:
+        say(1, len(STAGES), STAGES[0])
         mod = build_module(spec, manifest, kernels_for(target.kind, target.target))
+        say(2, len(STAGES), f"{STAGES[1]} ({target.kind}, {len(manifest['functions'])} "
+            "functions)")
         with (cuda_compile_callback(target.arch) if target.kind == "cuda"
               else contextlib.nullcontext()):
             ex = relax.build(mod, target.target, relax_pipeline=relax_pipeline(target.target),
                              exec_mode=EXEC_MODE)
         lib_path = out_dir / target.library_name
+        say(3, len(STAGES), STAGES[2])
         _export(ex, lib_path, target)
     except (tvm.error.InternalError, RuntimeError, ValueError) as e:
         raise CompileError(f"TVM failed to build {spec.config.name} for {target.kind}: {e}") from e
@@ -204,14 +221,19 @@ def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir
     return lib_path
 
 
-def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path, model_arg: str = "") -> dict:
+def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path, model_arg: str = "",
+               stage: Callable[[int, int, str], None] | None = None) -> dict:
     """Compile into ``out_dir`` and write manifest.json (last, so its presence means complete).
     ``model_arg`` (what ``--model`` takes to name the model again) goes into the manifest only,
-    for the rebuild hints: it is not part of the key."""
+    for the rebuild hints: it is not part of the key.  ``stage``: see :func:`compile_library`."""
     manifest = manifest_for(spec, target)
     t0 = time.perf_counter()
     log.info("compiling %s for %s (key %s)", spec.config.name, target.kind, manifest["digest"])
-    lib_path = compile_library(spec, target, manifest, out_dir)
+    token = _STAGE.set(stage)
+    try:
+        lib_path = compile_library(spec, target, manifest, out_dir)
+    finally:
+        _STAGE.reset(token)
     manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
     if model_arg:
         manifest["model_arg"] = model_arg

@@ -216,7 +216,7 @@ def test_a_full_disk_is_an_artifact_error_and_leaves_nothing(root, built, monkey
 def test_clear_removes_a_symlinked_entry_not_its_target(root, built, tmp_path):
     elsewhere = Path(shutil.move(str(root / built.artifact_dir.name), tmp_path / "elsewhere"))
     (root / built.artifact_dir.name).symlink_to(elsewhere, target_is_directory=True)
-    result = CliRunner().invoke(cache_cmd, ["--artifacts", str(root), "--clear"])
+    result = CliRunner().invoke(cache_cmd, ["--artifacts", str(root), "--clear", "--yes"])
     assert result.exit_code == 0, result.output
     assert "(a link)" in result.output and "cleared 1 artifacts and 1 weight packs" in result.output
     assert not (root / built.artifact_dir.name).exists() and (elsewhere / "manifest.json").is_file()
