@@ -26,9 +26,11 @@ import numpy as np
 from paged_decode.runtime.errors import ConfigError, WeightsError
 from paged_decode.runtime.manifest import K_QUANT_FALLBACKS, K_QUANT_MIXES
 
+from . import arch as families
 from . import config as config_mod
 from .config import ModelConfig
 from .formats import FORMATS, QUANT_FORMATS, USER_FORMATS, by_gguf_type, interleaved
+from .gguf_checks import check_finite_array, check_values, check_vocabulary, open_checked
 from .params import interleave_gate_up, matrix_shapes, param_specs
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,8 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
         "wv": [(attn + "v_proj.weight", (kv, h))],
         "bv": [(attn + "v_proj.bias", (kv,))],
         "wo": [(attn + "o_proj.weight", (h, q))],
+        "q_norm": [(attn + "q_norm.weight", (cfg.head_dim,))],
+        "k_norm": [(attn + "k_norm.weight", (cfg.head_dim,))],
         "post_norm": [(p + "post_attention_layernorm.weight", (h,))],
         "w_gate_up": [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))],
         "w_down": [(p + "mlp.down_proj.weight", (h, i))],
@@ -450,22 +454,20 @@ def _hf_getter(path: Path):
 
 # ---------------------------------------------------------------------------- GGUF
 
-_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-
-
 def gguf_name(hf_name: str) -> str:
-    """llama.cpp's tensor name: model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
-    if hf_name in _GGUF_GLOBAL:
-        return _GGUF_GLOBAL[hf_name]
+    """llama.cpp's tensor name (the families' maps, ``arch``): model.layers.3.mlp.up_proj.weight
+    -> blk.3.ffn_up.weight."""
+    if hf_name in families.GGUF_GLOBAL_TENSORS:
+        return families.GGUF_GLOBAL_TENSORS[hf_name]
     layer, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(\w+)", hf_name).groups()
-    return f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{families.gguf_layer_tensor(module)}.{kind}"
+
+
+def _rope_heads(cfg: ModelConfig) -> dict[str, int]:
+    """{HF module: heads} of the Q / K rows llama.cpp's converter permuted for this family."""
+    if not families.family(cfg.arch).gguf_qk_permuted:
+        return {}
+    return {"q_proj": cfg.n_q_heads, "k_proj": cfg.n_kv_heads}
 
 
 def _open_gguf(path: Path):
@@ -477,20 +479,13 @@ def _open_gguf(path: Path):
 
 @functools.lru_cache(maxsize=2)
 def _gguf_reader(path: Path, _mtime_ns: int, _size: int):
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path)
+        return open_checked(path)
+    except WeightsError:
+        raise
     except Exception as e:  # a damaged file raises IndexError, ValueError, ...
         raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
                            "re-download it") from e
-    size = path.stat().st_size
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size:
-            raise WeightsError(f"{path}: tensor {t.name} ends at byte "
-                               f"{int(t.data_offset) + int(t.n_bytes)}, past the end of the "
-                               f"{size}-byte file: it is truncated; re-download it")
-    return reader
 
 
 def gguf_fields(path: str | Path) -> dict[str, Any]:
@@ -509,9 +504,12 @@ def gguf_fields(path: str | Path) -> dict[str, Any]:
 
 def _gguf_source(path: Path) -> ModelSource:
     """Config from the metadata, then every tensor the config needs checked (present, its
-    shape, a dequantizable type, inside the file), before anything compiles."""
-    cfg = config_mod.from_gguf_fields(gguf_fields(path), name=path.stem, source=str(path))
-    tensors = {t.name: t for t in _open_gguf(path).tensors}
+    shape, a dequantizable type, inside the file), every float value and block scale finite and
+    the vocabulary consistent (:mod:`.gguf_checks`), before anything compiles or is cached."""
+    fields = gguf_fields(path)
+    cfg = config_mod.from_gguf_fields(fields, name=path.stem, source=str(path))
+    reader = _open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
 
     def found(hf_name: str):
         t = tensors.get(gguf_name(hf_name))
@@ -521,6 +519,8 @@ def _gguf_source(path: Path) -> ModelSource:
         return [int(d) for d in t.shape[::-1]], dtype, f"{path} (as {t.name})"
     _check_tensors(cfg, found, lambda name: f"tensor {gguf_name(name)} (HF {name}) is missing "
                    f"from {path}")
+    check_vocabulary(path, fields, cfg.vocab_size)
+    check_values(path, reader)
     return ModelSource("gguf", path, cfg, _sha256_files([path]), str(path.resolve()))
 
 
@@ -547,7 +547,7 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
     from gguf.quants import dequantize
 
     tensors = {t.name: t for t in _open_gguf(path).tensors}
-    rope_heads = {"q_proj": cfg.n_q_heads, "k_proj": cfg.n_kv_heads}
+    rope_heads = _rope_heads(cfg)
 
     def get(name: str) -> tuple[np.ndarray, str]:
         tensor = tensors.get(gguf_name(name))
@@ -563,6 +563,7 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
                                f"{tensor.tensor_type.name} ({e})") from e
         # GGUF lists dims fastest-first (ne0 = in_features): reversed is HF's [out, in].
         array = flat.astype(np.float32, copy=False).reshape([int(d) for d in tensor.shape[::-1]])
+        check_finite_array(tensor.name, str(path), array)
         module = name.split(".")[-2]
         if module in rope_heads:
             array = unpermute_rope_rows(array, rope_heads[module])
@@ -574,7 +575,7 @@ def _gguf_raw_getter(path: Path, cfg: ModelConfig):
     """``raw(hf_name, format) -> (rows, bytes per row) uint8 | None``: the tensor's GGUF block
     bytes in HF row order when it is stored in ``format``, else None."""
     tensors = {t.name: t for t in _open_gguf(path).tensors}
-    rope_heads = {"q_proj": cfg.n_q_heads, "k_proj": cfg.n_kv_heads}
+    rope_heads = _rope_heads(cfg)
 
     def raw(name: str, fmt: str) -> np.ndarray | None:
         tensor = tensors.get(gguf_name(name))
