@@ -15,7 +15,7 @@ import re
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from .protocol import APIError, param_of
+from .protocol import APIError, is_type_tag, param_of
 
 MAX_BODY_BYTES = 16 * 2**20  # a 100k-token prompt as text or ids is well under this
 MAX_DEPTH = 64  # objects and arrays inside each other; a JSON schema nests ~2 per level
@@ -114,4 +114,20 @@ def validation_error(errors: list[dict]) -> APIError:
         return APIError(400, f"{param}: this server does not know this field, so it cannot "
                         "honour it; leave it out (docs/serving.md lists every field)", param)
     msg = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's, for our checks
-    return APIError(400, f"{param}: {msg}", param)
+    return APIError(400, f"{param}: {msg}{_union_forms(errors, first)}", param)
+
+
+def _union_forms(errors: list[dict], first: dict) -> str:
+    """Where the field is a union (``prompt``: text, texts, token ids or lists of them), the
+    forms it takes: one alternative's complaint alone would read as the only form."""
+    loc = tuple(first.get("loc", ()))
+    at = next((i for i, p in enumerate(loc) if isinstance(p, str) and is_type_tag(p)), None)
+    if at is None:
+        return ""
+    forms = list(dict.fromkeys(e["loc"][at] for e in errors if tuple(e.get("loc", ()))[:at]
+                               == loc[:at] and len(e["loc"]) > at
+                               and isinstance(e["loc"][at], str) and is_type_tag(e["loc"][at])))
+    if len(forms) < 2:
+        return ""
+    return f" ({param_of(loc[:at])} takes one of: {', '.join(forms)}; JSON types are not " \
+           "converted)"

@@ -173,13 +173,23 @@ class ChatRequest(ChatOnly):
     function_call: FunctionCallChoice | None = None
 
 
+_TYPE_TAGS = frozenset(("str", "int", "float", "bool", "none", "dict", "list"))
+
+
+def is_type_tag(part: str) -> bool:
+    """pydantic's name for a union's alternative (``str``, ``list[int]``,
+    ``function-after[...]``, a model's class name), which is no field: field names are
+    lower-case identifiers (``stream`` and ``store`` too, though they begin like ``str``)."""
+    return part in _TYPE_TAGS or any(c in part for c in "[-(") or part[:1].isupper()
+
+
 def param_of(loc: tuple) -> str:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
     out = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not part.startswith(("function-", "list[", "str", "int", "float", "dict[")):
+        elif not is_type_tag(part):
             out += f".{part}" if out else str(part)
     return out or "body"
 
