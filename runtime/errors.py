@@ -118,3 +118,14 @@ class ExecutionError(PagedDecodeError):
     ``write_off``) as a second line of defence behind the session's Python checks, so this usually
     means a check was bypassed or the artifact does not match the pool or weights.
     """
+
+
+class NonFiniteLogitsError(ExecutionError):
+    """A step's logits hold NaN or infinity (weights damaged after packing, or a kernel fault):
+    the step is refused rather than its logits returned, and its sequences were not advanced.
+    ``step`` names the step (prefill, decode at a position, batched decode) and ``rows`` the
+    rows of a batched step that failed."""
+
+    def __init__(self, message: str, step: str = "", rows: tuple[int, ...] = (0,)):
+        self.step, self.rows = step, rows
+        super().__init__(message)

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Callable
 
 import numpy as np
 from paged_decode.runtime._tvm import tvm
 
 from .artifact import Artifact, WeightPack
 from .checks import check_array, is_int
-from .errors import (BlockTableError, ExecutionError, OffsetRebindError, TokenIdError,
-                     TopologyChanged, ValidityError, WriteOffsetError)
+from .errors import (BlockTableError, ExecutionError, NonFiniteLogitsError, OffsetRebindError,
+                     TokenIdError, TopologyChanged, ValidityError, WriteOffsetError)
 from .host_memory import on_host
 from .kv_pool import PagedKVCache, SessionHandle
 
@@ -105,17 +106,25 @@ def check_prompt(token_ids, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def host_rows(logits, n: int) -> np.ndarray:
+def host_rows(logits, n: int, step: Callable[[int], str]) -> np.ndarray:
     """The first ``n`` rows of the VM's ``(B, vocab)`` output, copied into a fresh host array
-    (the VM reuses its memory)."""
-    if on_host(logits.device):
-        return np.array(np.from_dlpack(logits)[:n])
-    return logits.numpy()[:n]
+    (the VM reuses its memory), every value finite: a row holding NaN or infinity is a
+    :class:`NonFiniteLogitsError` naming ``step(row)``, never logits handed on."""
+    rows = np.array(np.from_dlpack(logits)[:n]) if on_host(logits.device) else logits.numpy()[:n]
+    finite = np.isfinite(rows).all(axis=1)
+    if not finite.all():
+        bad = tuple(int(i) for i in np.flatnonzero(~finite))
+        raise NonFiniteLogitsError(
+            f"{', '.join(step(i) for i in bad)}: the logits hold NaN or infinity, so no token "
+            "can be chosen; the sequence was not advanced.  The weights or the pool hold "
+            "non-finite values (a damaged or edited pack: convert the model again with "
+            "--cache redo) or a kernel failed", step=step(bad[0]), rows=bad)
+    return rows
 
 
-def _host_logits(logits) -> np.ndarray:
-    """The ``(vocab,)`` logits of a ``(1, vocab)`` output."""
-    return host_rows(logits, 1)[0]
+def _host_logits(logits, step: Callable[[int], str]) -> np.ndarray:
+    """The ``(vocab,)`` logits of a ``(1, vocab)`` output (see :func:`host_rows`)."""
+    return host_rows(logits, 1, step)[0]
 
 
 class PagedDecodeSession:
@@ -219,6 +228,7 @@ class PagedDecodeSession:
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
                                 self._pools_arg, self._params_arg)
+            row = _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at position {pos}")
         except BaseException:
             if snap is not None:
                 handle.restore(snap)
@@ -227,7 +237,7 @@ class PagedDecodeSession:
             self._bound_offset = None
         handle.advance(1)
         self.realize_count += 1
-        return _host_logits(logits)
+        return row
 
     def prefill(self, handle: SessionHandle, token_ids) -> np.ndarray:
         """Run the compiled prefill over ``token_ids`` (``[n]`` ints) appended to the sequence;
@@ -244,11 +254,13 @@ class PagedDecodeSession:
             ids_t = tvm.runtime.tensor(ids, self.artifact.device)
             logits = self._call("prefill", self._prefill, ids_t, self._table, start,
                                 self._pools_arg, self._params_arg)
+            row = _host_logits(logits, lambda _r: f"prefill of sequence {handle.seq_id} "
+                                       f"(positions {start} to {start + len(ids) - 1})")
         except BaseException:
             handle.restore(snap)
             raise
         handle.advance(len(ids))
-        return _host_logits(logits)
+        return row
 
     def decode_raw(self, token_id: int, block_table: np.ndarray, context_len: int,
                    write_off: int) -> np.ndarray:
@@ -280,7 +292,7 @@ class PagedDecodeSession:
         finally:
             self._bound_offset = None
         self.realize_count += 1
-        return _host_logits(logits)
+        return _host_logits(logits, lambda _r: f"decode_raw at context_len {context_len}")
 
     def _check_raw(self, table, context_len, write_off) -> tuple[int, int]:
         cap, bs, nb = self.artifact.max_blocks_cap, self.pool.block_size, self.pool.num_blocks

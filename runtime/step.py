@@ -132,6 +132,8 @@ class BatchDecodeSession:
             plan.upload()
             logits = self._single._call(f"batch_decode_{rows}", plan.fn, *plan.tensors,
                                         self._single._pools_arg, self._single._params_arg)
+            out = host_rows(logits, len(handles), lambda r: f"batched decode row {r} (sequence "
+                            f"{handles[r].seq_id} at position {handles[r].length})")
         except BaseException:
             for h, snap in reversed(snaps):
                 h.restore(snap)
@@ -139,7 +141,7 @@ class BatchDecodeSession:
         for h in handles:
             h.advance(1)
         self._counts[rows] += 1
-        return host_rows(logits, len(handles))
+        return out
 
     def _fill(self, plan: _Plan, handles, tokens) -> None:
         ids, tables, ctx, offs = plan.hosts

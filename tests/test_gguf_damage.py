@@ -170,3 +170,105 @@ def test_scale_offsets_are_what_gguf_dequantizes_with(type_name):
             values = dequantize(bad, qtype).reshape(3, block)
         assert not np.isfinite(values[1]).any(), (type_name, at)
         assert np.isfinite(values[[0, 2]]).all(), (type_name, at)
+
+
+# ---------------------------------------------------------------- non-finite logits at run time
+# Weights damaged after packing (the pack's checks cannot see them): the embedding row of one
+# token is NaN, so a step that reads it has non-finite logits in exactly its own rows.
+
+NAN_TOKEN = 7
+
+
+@pytest.fixture(scope="module")
+def nan_world(load):
+    import dataclasses
+
+    from paged_decode.runtime._tvm import tvm
+
+    from .test_engine_args import OPTS
+
+    artifact, weights = load("tiny", **OPTS)
+    names = [p[0] for p in artifact.manifest.params]
+    at = names.index("embed")
+    embed = weights.params[at].numpy().copy()
+    embed[NAN_TOKEN] = np.nan
+    params = list(weights.params)
+    params[at] = tvm.runtime.tensor(embed, artifact.device)
+    return artifact, dataclasses.replace(weights, params=tuple(params))
+
+
+def _session(world):
+    from paged_decode.runtime.step import BatchDecodeSession
+
+    from .conftest import make_pool
+
+    artifact, weights = world
+    pool = make_pool(artifact, 32)
+    return pool, BatchDecodeSession(artifact, weights, pool)
+
+
+def _blocks(pool):
+    """The free blocks (as a set: a restore may return them in another order) and ref counts."""
+    free, refs = pool.allocator.state()
+    return sorted(free), refs
+
+
+def test_nan_logits_at_prefill_are_an_error_naming_it(nan_world):
+    from paged_decode.runtime.errors import NonFiniteLogitsError
+
+    pool, batch = _session(nan_world)
+    h = pool.new_sequence()
+    before = _blocks(pool)
+    with pytest.raises(NonFiniteLogitsError, match=rf"prefill of sequence {h.seq_id} "
+                                                   r"\(positions 0 to 5\): the logits hold NaN"):
+        batch._single.prefill(h, [1, 2, NAN_TOKEN, 3, 4, 5])
+    assert h.length == 0 and _blocks(pool) == before
+    assert np.isfinite(batch._single.prefill(h, [1, 2, 3])).all()  # the sequence goes on
+
+
+def test_nan_logits_at_a_decode_step_are_an_error_naming_it(nan_world):
+    from paged_decode.runtime.errors import NonFiniteLogitsError
+
+    pool, batch = _session(nan_world)
+    h = pool.new_sequence()
+    batch._single.prefill(h, [1, 2, 3])
+    with pytest.raises(NonFiniteLogitsError, match=rf"decode of sequence {h.seq_id} at "
+                                                   "position 3") as err:
+        batch._single.realize_token(h, NAN_TOKEN)
+    assert err.value.step.startswith("decode") and h.length == 3
+    # position 3 is written again by the next step: the NaN K/V left there is not read
+    assert np.isfinite(batch._single.realize_token(h, 4)).all() and h.length == 4
+
+
+def test_nan_logits_in_one_batch_row_name_that_row(nan_world):
+    from paged_decode.runtime.errors import NonFiniteLogitsError
+
+    pool, batch = _session(nan_world)
+    handles = [pool.new_sequence() for _ in range(3)]
+    for i, h in enumerate(handles):
+        batch._single.prefill(h, [1, 2 + i])
+    before = _blocks(pool)
+    with pytest.raises(NonFiniteLogitsError, match=rf"^batched decode row 1 \(sequence "
+                                                   rf"{handles[1].seq_id} at position 2\):") as e:
+        batch.step(handles, [4, NAN_TOKEN, 5])
+    assert e.value.rows == (1,)
+    assert [h.length for h in handles] == [2, 2, 2] and _blocks(pool) == before
+    assert np.isfinite(batch.step(handles, [4, 6, 5])).all()
+
+
+def test_the_batching_engine_ends_requests_with_the_error_not_nan_text(nan_world, build):
+    from paged_decode.runtime.batch_engine import BatchEngine
+    from paged_decode.runtime.errors import NonFiniteLogitsError
+    from paged_decode.runtime.tokenizer import Tokenizer
+
+    from .test_engine_args import OPTS
+
+    artifact, weights = nan_world
+    pool, _batch = _session(nan_world)
+    tokenizer = Tokenizer.from_dir(build("tiny", **OPTS).weights_dir)
+    with BatchEngine(artifact, weights, pool, tokenizer) as engine:
+        stream = engine.submit([1, NAN_TOKEN, 3], max_new_tokens=4)
+        with pytest.raises(NonFiniteLogitsError, match="prefill of sequence"):
+            stream.text()
+        ok = engine.submit([1, 2, 3], max_new_tokens=4)  # the engine goes on
+        assert len(ok.text()) >= 0 and ok.request.finish_reason in ("length", "stop")
