@@ -1,8 +1,9 @@
-"""Model configuration: one frozen dataclass for the Llama family.
+"""Model configuration: one frozen dataclass for every decoder family of ``compile/arch``.
 
-Read from an HF ``config.json`` (``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``), from GGUF metadata (``general.architecture = llama``), or from an
-exact-match preset.  Anything unsupported is a :class:`ConfigError` naming the field and value.
+Read from an HF ``config.json`` (the ``architectures`` of ``arch.BY_HF``), from GGUF metadata
+(the ``general.architecture`` values of ``arch.BY_GGUF``), or from an exact-match preset; what
+differs between families (keys, defaults, layer features) is the family's ``arch.Family``.
+Anything unsupported is a :class:`ConfigError` naming the field and value.
 """
 
 from __future__ import annotations
@@ -16,16 +17,13 @@ from typing import Any
 
 from paged_decode.runtime.errors import ConfigError
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from . import arch as families
+from .arch import Family
+
 DTYPES = ("float32", "float16")
 
 
 INT_MAX = 2**31 - 1  # every size must index an int32 in the compiled kernels
-HIDDEN_ACTS = ("silu", "swish")  # one function: transformers maps both to SiLU
 
 
 def short_repr(value: Any) -> str:
@@ -84,7 +82,7 @@ class ModelConfig:
     """Shape of a Llama-family decoder.  Weight values are not part of it."""
 
     name: str
-    arch: str  # "llama" | "mistral" | "qwen2"
+    arch: str  # a family of ``arch.FAMILIES``
     hidden_size: int
     n_layers: int
     n_q_heads: int
@@ -98,6 +96,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (never an o_proj bias)
     max_position_embeddings: int = 4096
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights of head_dim)
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -108,8 +107,8 @@ class ModelConfig:
             if not is_int(value) or not 0 < value <= INT_MAX:
                 raise ConfigError(f"{field}={short_repr(value)}: must be a positive integer "
                                   f"(at most {INT_MAX})")
-        if self.arch not in ARCHITECTURES.values():
-            raise ConfigError(f"arch={self.arch!r}: supported are {sorted(ARCHITECTURES.values())}")
+        if self.arch not in families.FAMILIES:
+            raise ConfigError(f"arch={self.arch!r}: supported are {sorted(families.FAMILIES)}")
         if self.n_q_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_q_heads={self.n_q_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: "
@@ -125,7 +124,7 @@ class ModelConfig:
         if not (self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling)):
             raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
                               "RopeScaling")
-        for field in ("tie_word_embeddings", "attention_bias"):
+        for field in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"{field}={short_repr(getattr(self, field))}: must be a bool")
 
@@ -152,6 +151,8 @@ class ModelConfig:
         per_layer = h * self.qkv_size + self.q_size * h + 3 * h * i + 2 * h
         if self.attention_bias:
             per_layer += self.qkv_size
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.n_layers * per_layer + self.vocab_size * h + head + h
 
@@ -257,25 +258,18 @@ def _build(source: str, **fields) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- HF config.json
 
-# transformers' defaults for fields a config.json leaves out (LlamaConfig, MistralConfig,
-# Qwen2Config); a missing num_key_value_heads is num_attention_heads for Llama.
-_HF_DEFAULTS = {
-    "llama": dict(num_key_value_heads=None, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(num_key_value_heads=8, rms_norm_eps=1e-6, max_position_embeddings=131072),
-    "qwen2": dict(num_key_value_heads=32, rms_norm_eps=1e-6, max_position_embeddings=32768),
-}
-_HF_SLIDING_WINDOW = 4096  # MistralConfig / Qwen2Config default
-_QWEN2_MAX_WINDOW_LAYERS = 28  # Qwen2Config default
+_HF_SLIDING_WINDOW = 4096  # the config classes' default (Mistral, Qwen2, Qwen3)
+_HF_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _hf_arch(cfg: dict, source: str) -> str:
+def _hf_family(cfg: dict, source: str) -> Family:
     archs = cfg.get("architectures") or []
     if (not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str)
-            or archs[0] not in ARCHITECTURES):
+            or archs[0] not in families.BY_HF):
         raise ConfigError(f"{source}: architectures={short_repr(archs)} is not supported; "
-                          f"supported: {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[archs[0]]
+                          f"supported: {sorted(families.BY_HF)}")
+    return families.BY_HF[archs[0]]
 
 
 def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
@@ -312,49 +306,49 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
         raise ConfigError(f"{source}: {e}") from None
 
 
-def _hf_refuse_unsupported(f: _Fields, arch: str) -> None:
+def _hf_refuse_unsupported(f: _Fields, fam: Family) -> None:
     """Features that change the math and are not implemented: an error, never ignored."""
-    act = f.string("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
-        raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported (silu only)")
+    act = f.string("hidden_act", fam.activation[0])
+    if act not in fam.activation:
+        raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported "
+                          f"({fam.activation[0]} only)")
     if f.raw.get("quantization_config") is not None:
         method = f.raw["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
         raise ConfigError(f"{f.source}: quantization_config (quant_method={short_repr(method)}) is "
                           "set: quantized HF checkpoints are not supported; use the float16, "
                           "bfloat16 or float32 checkpoint (or its GGUF)")
-    if arch != "llama":  # Mistral and Qwen2 hard-code their biases; the flags are not read
-        return
-    if f.flag("mlp_bias", False):
-        raise ConfigError(f"{f.source}: mlp_bias=true is not supported")
-    if f.flag("attention_bias", False):
-        raise ConfigError(f"{f.source}: attention_bias=true is not supported for Llama (it "
-                          "adds an o_proj bias; only q/k/v biases, as Qwen2 has, are)")
+    for flag in fam.refused_flags:  # families that hard-code their biases read no flag
+        if f.flag(flag, False):
+            what = ("an o_proj bias; only q/k/v biases, as Qwen2 has, are" if flag ==
+                    "attention_bias" else "biases not run here")
+            raise ConfigError(f"{f.source}: {flag}=true is not supported for "
+                              f"{fam.hf_architectures[0]} (it adds {what})")
 
 
-def _hf_sliding_layers(f: _Fields, arch: str, n_layers: int) -> tuple[int | None, list[int]]:
-    """(window, the layers it applies to), as transformers decides for this architecture."""
-    if arch == "llama":
+def _hf_sliding_layers(f: _Fields, fam: Family, n_layers: int) -> tuple[int | None, list[int]]:
+    """(window, the layers it applies to), as transformers decides for this family."""
+    if fam.sliding == "none":
         return None, []
     window = f.integer("sliding_window", _HF_SLIDING_WINDOW, null=None, minimum=0)
-    if arch == "mistral":
+    if fam.sliding == "every_layer":
         return window, [] if window is None else list(range(n_layers))
     use = f.flag("use_sliding_window", False)
-    first = f.integer("max_window_layers", _QWEN2_MAX_WINDOW_LAYERS, minimum=0)
+    first = f.integer("max_window_layers", _HF_MAX_WINDOW_LAYERS, minimum=0)
     types = f.raw.get("layer_types")
     if types is not None and (not isinstance(types, list) or len(types) != n_layers
                               or not all(isinstance(t, str) and t in _LAYER_TYPES for t in types)):
         raise f.bad("layer_types", types, f"must be null or a list of {n_layers} (one per layer) "
                     f"of {list(_LAYER_TYPES)}")
-    if not use or window is None:  # Qwen2Config drops the window unless use_sliding_window
+    if not use or window is None:  # the config drops the window unless use_sliding_window
         return None, []
     if types is None:
         types = [_LAYER_TYPES[i >= first] for i in range(n_layers)]
     return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
-def _hf_refuse_sliding_window(f: _Fields, arch: str, n_layers: int, max_pos: int) -> None:
-    window, layers = _hf_sliding_layers(f, arch, n_layers)
+def _hf_refuse_sliding_window(f: _Fields, fam: Family, n_layers: int, max_pos: int) -> None:
+    window, layers = _hf_sliding_layers(f, fam, n_layers)
     if layers and window < max_pos:
         where = "every layer" if len(layers) == n_layers else (
             f"{len(layers)} of {n_layers} layers (from layer {layers[0]})")
@@ -375,25 +369,25 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: must hold a JSON object, got {type(cfg).__name__}; pass "
                           "the model's config.json")
-    arch = _hf_arch(cfg, source)
-    f, defaults = _Fields(cfg, source), _HF_DEFAULTS[arch]
+    fam = _hf_family(cfg, source)
+    f, defaults = _Fields(cfg, source), fam.hf_defaults
     hidden, n_q = f.integer("hidden_size"), f.integer("num_attention_heads")
     n_layers = f.integer("num_hidden_layers")
     n_kv = f.integer("num_key_value_heads", defaults["num_key_value_heads"] or n_q, null=n_q)
-    head_dim = f.integer("head_dim", hidden // n_q, null=hidden // n_q)  # 0: refused by _build
+    head_dim = f.integer("head_dim", defaults["head_dim"] or hidden // n_q,
+                         null=hidden // n_q)  # 0: refused by _build
     max_pos = f.integer("max_position_embeddings", defaults["max_position_embeddings"])
-    _hf_refuse_unsupported(f, arch)
-    _hf_refuse_sliding_window(f, arch, n_layers, max_pos)
+    _hf_refuse_unsupported(f, fam)
+    _hf_refuse_sliding_window(f, fam, n_layers, max_pos)
     theta, scaling = _hf_rope(cfg, source)
     return _build(
-        source, name=name, arch=arch, hidden_size=hidden, n_layers=n_layers,
+        source, name=name, arch=fam.name, hidden_size=hidden, n_layers=n_layers,
         n_q_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim,
         intermediate_size=f.integer("intermediate_size"), vocab_size=f.integer("vocab_size"),
         rms_norm_eps=f.number("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
-        attention_bias=arch == "qwen2",  # Qwen2: q/k/v biases always; Llama's refused above
-        max_position_embeddings=max_pos,
+        attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm, max_position_embeddings=max_pos,
     )
 
 
@@ -420,54 +414,64 @@ def from_hf_dir(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- GGUF metadata
 
-def _gguf_refuse_unsupported(f: _Fields, head_dim: int) -> None:
-    """GGUF features of a llama file that change the math and are not implemented."""
-    for key, what in (("llama.attention.value_length", "a value head size"),
-                      ("llama.rope.dimension_count", "RoPE dimensions (partial RoPE)")):
+def _gguf_refuse_unsupported(f: _Fields, g: str, head_dim: int) -> None:
+    """GGUF features that change the math and are not implemented (``g``: the key prefix,
+    ``general.architecture``)."""
+    for key, what in ((f"{g}.attention.value_length", "a value head size"),
+                      (f"{g}.rope.dimension_count", "RoPE dimensions (partial RoPE)")):
         value = f.integer(key, head_dim)
         if value != head_dim:
             raise ConfigError(f"{f.source}: {key}={value}: {what} other than the key head size "
                               f"{head_dim} is not supported")
-    if f.integer("llama.expert_count", 0, minimum=0):
-        raise ConfigError(f"{f.source}: llama.expert_count={f.raw['llama.expert_count']}: "
+    if f.integer(f"{g}.expert_count", 0, minimum=0):
+        raise ConfigError(f"{f.source}: {g}.expert_count={f.raw[f'{g}.expert_count']}: "
                           "mixture-of-experts models are not supported")
-    scaling = f.string("llama.rope.scaling.type", "none")
+    scaling = f.string(f"{g}.rope.scaling.type", "none")
     freqs = f.flag("_has_rope_freqs", False)
     if freqs or scaling != "none":
-        raise ConfigError(f"{f.source}: RoPE scaling (rope.scaling.type={scaling!r}, rope_freqs "
-                          f"tensor={freqs}) is not supported in GGUF files; use the HF checkpoint")
+        raise ConfigError(f"{f.source}: RoPE scaling ({g}.rope.scaling.type={scaling!r}, "
+                          f"rope_freqs tensor={freqs}) is not supported in GGUF files; use the HF "
+                          "checkpoint")
 
 
-def _gguf_vocab_size(f: _Fields) -> int:
-    if "llama.vocab_size" in f.raw:
-        return f.integer("llama.vocab_size")
+def _gguf_vocab_size(f: _Fields, g: str) -> int:
+    if f"{g}.vocab_size" in f.raw:
+        return f.integer(f"{g}.vocab_size")
     tokens = f.raw.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ConfigError(f"{f.source}: GGUF metadata gives no vocabulary size (neither "
-                          "llama.vocab_size nor tokenizer.ggml.tokens)")
+                          f"{g}.vocab_size nor tokenizer.ggml.tokens)")
     return len(tokens)
+
+
+def _gguf_family(fields: dict, source: str) -> Family:
+    name = fields.get("general.architecture")
+    if not isinstance(name, str) or name not in families.BY_GGUF:
+        raise ConfigError(f"{source}: general.architecture={short_repr(name)} is not supported "
+                          f"(supported: {', '.join(sorted(families.BY_GGUF))})")
+    return families.BY_GGUF[name]
 
 
 def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelConfig:
     """ModelConfig from GGUF metadata already decoded to Python values (see weights.gguf_fields),
-    with the same type, range and feature checks as :func:`from_hf_dict`."""
+    with the same type, range and feature checks as :func:`from_hf_dict`; the keys are
+    llama.cpp's, under the family's ``general.architecture``."""
     if not isinstance(fields, dict):
         raise ConfigError(f"{source}: GGUF metadata must be a mapping, got "
                           f"{type(fields).__name__}")
-    arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ConfigError(f"{source}: general.architecture={short_repr(arch)} is not supported "
-                          "(llama only)")
-    f = _Fields(fields, source)
-    hidden, n_q = f.integer("llama.embedding_length"), f.integer("llama.attention.head_count")
-    head_dim = f.integer("llama.attention.key_length", hidden // n_q)  # 0: refused by _build
-    _gguf_refuse_unsupported(f, head_dim)
+    fam = _gguf_family(fields, source)
+    f, g = _Fields(fields, source), fam.gguf_architecture
+    hidden, n_q = f.integer(f"{g}.embedding_length"), f.integer(f"{g}.attention.head_count")
+    head_dim = f.integer(f"{g}.attention.key_length", hidden // n_q)  # 0: refused by _build
+    _gguf_refuse_unsupported(f, g, head_dim)
     return _build(
-        source, name=name, arch="llama", hidden_size=hidden, n_layers=f.integer("llama.block_count"),
-        n_q_heads=n_q, n_kv_heads=f.integer("llama.attention.head_count_kv", n_q), head_dim=head_dim,
-        intermediate_size=f.integer("llama.feed_forward_length"), vocab_size=_gguf_vocab_size(f),
-        rms_norm_eps=f.number("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=f.number("llama.rope.freq_base", 10000.0),
+        source, name=name, arch=fam.name, hidden_size=hidden,
+        n_layers=f.integer(f"{g}.block_count"), n_q_heads=n_q,
+        n_kv_heads=f.integer(f"{g}.attention.head_count_kv", n_q), head_dim=head_dim,
+        intermediate_size=f.integer(f"{g}.feed_forward_length"), vocab_size=_gguf_vocab_size(f, g),
+        rms_norm_eps=f.number(f"{g}.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=f.number(f"{g}.rope.freq_base", 10000.0),
         tie_word_embeddings=not f.flag("_has_output_weight", False),
-        max_position_embeddings=f.integer("llama.context_length", 4096),
+        attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
+        max_position_embeddings=f.integer(f"{g}.context_length", 4096),
     )

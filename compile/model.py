@@ -1,5 +1,5 @@
 """The Relax module: ``decode``, ``decode_dev``, ``prefill`` and ``_metadata`` of one
-Llama-family decoder.
+decoder, its layer features (biases, q/k norms) read from its ``ModelConfig``.
 
 Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symbolic):
   decode(token_ids (1,) int32, block_table (1, cap) int32, context_len Prim int64,
@@ -124,6 +124,20 @@ class _Builder:
                              (n, inter))
         return self.call(self.k.linear_swiglu(inter, h, wdt), [xn, w], (n, inter))
 
+    def qk_norm(self, qkv, n, pre):
+        """qkv with each q and k head RMS-normed over its own head_dim by the layer's
+        ``q_norm`` / ``k_norm`` (before RoPE): the heads as rows of the RMSNorm kernel."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        parts = self.bb.emit(relax.op.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1))
+        out = []
+        for i, (heads, g) in enumerate(((cfg.n_q_heads, "q_norm"), (cfg.n_kv_heads, "k_norm"))):
+            rows = self.bb.emit(relax.op.reshape(relax.TupleGetItem(parts, i), (n * heads, d)))
+            y = self.call(self.k.rmsnorm(d, cfg.rms_norm_eps, None), [rows, self.p[pre + g]],
+                          (n * heads, d))
+            out.append(self.bb.emit(relax.op.reshape(y, (n, heads * d))))
+        v = self.bb.emit(relax.TupleGetItem(parts, 2))
+        return self.bb.emit(relax.op.concat([*out, v], axis=1))
+
     def layer(self, x, n, layer, kv, attn_args):
         """One decoder layer; returns (x, (k_pool, v_pool)) with the pools written."""
         cfg, pre = self.cfg, f"layers.{layer}."
@@ -137,6 +151,8 @@ class _Builder:
         else:
             qkv = self.norm_linear(x, g, pre + "wqkv", n, cfg.qkv_size, h,
                                    bias=self.p.get(pre + "bqkv"))
+        if cfg.qk_norm:
+            qkv = self.qk_norm(qkv, n, pre)
         rope, attn, extra_rope, extra_attn = attn_args
         written = self.bb.emit(relax.call_tir_inplace(
             self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],

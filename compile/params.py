@@ -5,10 +5,11 @@ gate/up are joined along ``out_features`` once at load time so one kernel reads 
 concatenated; gate and up rows alternate in runs of ``GATE_UP_ROWS`` (see ``gate_up_row``), so
 the SwiGLU GEMV reads one contiguous stream instead of switching between two regions ``I`` rows
 apart (measured in docs/design.md).
-Norm weights and biases are always float32.  Matrices and the embedding are stored in their
-weight format (``formats.FORMATS``): the artifact's ``weight_dtype`` unless its ``weight_formats``
-names another for that parameter (a GGUF's Q8_0 embedding beside Q4_1 layers); a quantized
-matrix is its GGUF block bytes, ``(rows, K / 32 * block bytes)`` uint8.
+Norm weights (q / k norms: one head's size, shared by the heads) and biases are always float32.
+Matrices and the embedding are stored in their weight format (``formats.FORMATS``): the
+artifact's ``weight_dtype`` unless its ``weight_formats`` names another for that parameter (a
+GGUF's Q8_0 embedding beside Q4_1 layers); a quantized matrix is its GGUF block bytes,
+``(rows, K / 32 * block bytes)`` uint8.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def param_specs(cfg: ModelConfig, weight_dtype: str, weight_formats=()) -> list[
             specs.append(m(p + "wqkv", cfg.qkv_size, h))  # rows: q | k | v
             if cfg.attention_bias:
                 specs.append(ParamSpec(p + "bqkv", (cfg.qkv_size,), "float32"))
+        if cfg.qk_norm:  # one weight per head dimension, shared by the heads
+            specs += [ParamSpec(p + "q_norm", (cfg.head_dim,), "float32"),
+                      ParamSpec(p + "k_norm", (cfg.head_dim,), "float32")]
         specs += [
             m(p + "wo", h, cfg.q_size),
             ParamSpec(p + "post_norm", (h,), "float32"),

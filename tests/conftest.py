@@ -255,3 +255,21 @@ def make_pool(artifact, num_blocks: int):
     from paged_decode.runtime.kv_pool import PagedKVCache
 
     return PagedKVCache.for_artifact(artifact, num_blocks=num_blocks)
+
+
+@pytest.fixture(scope="session")
+def qwen3_ckpt(tmp_path_factory) -> Checkpoint:
+    """Qwen3ForCausalLM: per-head q/k RMSNorm, GQA 4/2, head_dim 32 != hidden/heads, untied,
+    float32; rms_norm_eps 2^-20 and rope_theta 1e6 are exact in float32, so the GGUF of it has
+    the same config (and artifact) as the folder."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=96, vocab_size=256,
+                      rms_norm_eps=2.0**-20, rope_theta=1e6, tie_word_embeddings=False,
+                      max_position_embeddings=4096)
+    model = Qwen3ForCausalLM(cfg)
+    _randomize(model, seed=4)
+    return _save(model, tmp_path_factory, "qwen3")

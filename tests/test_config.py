@@ -33,6 +33,15 @@ QWEN2 = {  # transformers 5.x spelling: rope_theta inside rope_parameters
     "max_position_embeddings": 32768, "sliding_window": None, "use_sliding_window": False,
 }
 
+QWEN3 = {  # Qwen3-0.6B's shape: head_dim 128 != hidden / heads
+    "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 3072, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "rope_theta": 1000000, "max_position_embeddings": 40960,
+    "attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+    "max_window_layers": 28,
+}
+
 
 def test_llama_gqa_llama3_rope_tied():
     cfg = from_hf_dict(LLAMA, name="llama-3.2-1b")
@@ -69,6 +78,25 @@ def test_qwen2_bias_and_rope_parameters():
     assert cfg.n_params() == 494032768  # Qwen2.5-0.5B's published parameter count
 
 
+def test_qwen3_qk_norm_and_explicit_head_dim():
+    """Qwen3: q/k norms, no biases, head_dim from the config; the parameter count is
+    transformers' own model's (built on the meta device)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = from_hf_dict(QWEN3, name="qwen3")
+    assert (cfg.arch, cfg.qk_norm, cfg.attention_bias) == ("qwen3", True, False)
+    assert (cfg.head_dim, cfg.q_size, cfg.kv_size, cfg.rope_theta) == (128, 2048, 1024, 1e6)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in QWEN3.items()
+                                                if k != "architectures"}))
+    assert cfg.n_params() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ConfigError, match="attention_bias=true is not supported for Qwen3"):
+        from_hf_dict(dict(QWEN3, attention_bias=True), name="qwen3")
+    assert not any(f.qk_norm for f in (from_hf_dict(LLAMA, name="l"),
+                                       from_hf_dict(QWEN2, name="q")))
+
+
 def test_smollm2_gguf(smollm_gguf):
     from paged_decode.compile.weights import gguf_fields
 
@@ -95,7 +123,7 @@ def _edited(base: dict, **changes) -> dict:
     raw = copy.deepcopy(base)
     for key, value in changes.items():
         if value is _DELETE:
-            del raw[key]
+            raw.pop(key, None)
         else:
             raw[key] = value
     return raw
@@ -140,8 +168,8 @@ def test_gguf_metadata_errors():
             "llama.attention.head_count": 4, "llama.block_count": 2,
             "llama.feed_forward_length": 128, "llama.vocab_size": 256}
     assert config.from_gguf_fields(base, "ok", "x.gguf").tie_word_embeddings
-    with pytest.raises(ConfigError, match="'qwen2'"):
-        config.from_gguf_fields(dict(base, **{"general.architecture": "qwen2"}), "q", "x.gguf")
+    with pytest.raises(ConfigError, match="'gemma2' is not supported"):
+        config.from_gguf_fields(dict(base, **{"general.architecture": "gemma2"}), "g", "x.gguf")
     with pytest.raises(ConfigError, match="llama.block_count"):
         config.from_gguf_fields({k: v for k, v in base.items() if k != "llama.block_count"},
                                 "b", "x.gguf")
@@ -301,15 +329,20 @@ def test_defaults_are_transformers_defaults():
     """Fields a config.json leaves out take transformers' per-architecture defaults."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    for base, hf_cls in ((LLAMA, LlamaConfig), (MISTRAL, MistralConfig), (QWEN2, Qwen2Config)):
+    from transformers import Qwen3Config
+
+    for base, hf_cls in ((LLAMA, LlamaConfig), (MISTRAL, MistralConfig), (QWEN2, Qwen2Config),
+                         (QWEN3, Qwen3Config)):
         raw = _edited(base, rms_norm_eps=_DELETE, max_position_embeddings=_DELETE,
-                      num_key_value_heads=_DELETE, num_attention_heads=8)
-        if base is QWEN2:
-            raw["num_attention_heads"] = 32  # Qwen2Config's default kv heads are 32
+                      num_key_value_heads=_DELETE, num_attention_heads=8, head_dim=_DELETE)
+        if base in (QWEN2, QWEN3):
+            raw["num_attention_heads"] = 32  # the Qwen configs' default kv heads are 32
         ref = hf_cls(**{k: v for k, v in raw.items() if k != "architectures"})
+        ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // 32
         cfg = from_hf_dict(raw, name="defaults")
         assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.n_kv_heads) == (
             ref.rms_norm_eps, ref.max_position_embeddings, ref.num_key_value_heads), base
+        assert cfg.head_dim == ref_head_dim, base
 
 
 def test_flags_and_biases_follow_transformers():
@@ -324,9 +357,10 @@ def test_flags_and_biases_follow_transformers():
 
 def _hf_sliding(raw: dict) -> bool:
     """Whether transformers' own config gives some layer a sliding window."""
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
-    hf_cls = Qwen2Config if raw["architectures"] == ["Qwen2ForCausalLM"] else MistralConfig
+    hf_cls = {"Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config}.get(
+        raw["architectures"][0], MistralConfig)
     ref = hf_cls(**{k: v for k, v in raw.items() if k != "architectures"})
     if hf_cls is MistralConfig:
         return ref.sliding_window is not None
@@ -342,6 +376,8 @@ SMALL_QWEN2 = dict(QWEN2, num_hidden_layers=4, max_position_embeddings=32768)
     (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=1024,
                        layer_types=["full_attention", "sliding_attention"] * 2)),
     (SMALL_QWEN2, dict(use_sliding_window=True, sliding_window=1024, num_hidden_layers=30)),
+    (dict(QWEN3, num_hidden_layers=4), dict(use_sliding_window=True, sliding_window=1024,
+                                            max_window_layers=2)),
     (MISTRAL, dict(sliding_window=_DELETE)),  # MistralConfig's default window is 4096
     (MISTRAL, dict(sliding_window=1024)),
     (MISTRAL, dict(sliding_window=0)),  # a window of 0 masks every key in transformers
@@ -390,10 +426,34 @@ GGUF_BASE = {"general.architecture": "llama", "llama.embedding_length": 64,
     ({"llama.rope.scaling.type": "yarn"}, r"rope\.scaling\.type='yarn'"),
     ({"_has_rope_freqs": True}, r"rope_freqs tensor=True"),
     ({"general.architecture": ["llama"]}, r"general\.architecture=\['llama'\]"),
+    ({"general.architecture": "qwen3moe"}, r"general\.architecture='qwen3moe' is not supp"),
 ])
 def test_bad_gguf_metadata_is_a_config_error(changes, message):
     with pytest.raises(ConfigError, match=message):
         config.from_gguf_fields(dict(GGUF_BASE, **changes), "bad", "x.gguf")
+
+
+@pytest.mark.parametrize("gguf_arch", ["qwen2", "qwen3"])
+def test_gguf_families_read_their_own_keys(gguf_arch):
+    """A qwen2 / qwen3 file's keys are under its architecture; the family gives its layer
+    features (Qwen2's q/k/v biases, Qwen3's q/k norms); llama's keys are not read."""
+    g = gguf_arch
+    fields = {"general.architecture": g, f"{g}.embedding_length": 64,
+              f"{g}.attention.head_count": 4, f"{g}.attention.head_count_kv": 2,
+              f"{g}.attention.key_length": 32, f"{g}.block_count": 3,
+              f"{g}.feed_forward_length": 96, f"{g}.rope.freq_base": 1e6,
+              f"{g}.context_length": 4096, "tokenizer.ggml.tokens": ["a"] * 300}
+    cfg = config.from_gguf_fields(fields, "q", "x.gguf")
+    assert (cfg.arch, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size) == (
+        g, 3, 2, 32, 300)
+    assert (cfg.attention_bias, cfg.qk_norm) == (g == "qwen2", g == "qwen3")
+    assert cfg.rope_theta == 1e6 and cfg.max_position_embeddings == 4096
+    with pytest.raises(ConfigError, match=rf"{g}\.rope\.scaling\.type='yarn'"):
+        config.from_gguf_fields(dict(fields, **{f"{g}.rope.scaling.type": "yarn"}), "q", "x")
+    with pytest.raises(ConfigError, match=rf"{g}\.embedding_length"):
+        config.from_gguf_fields(dict(GGUF_BASE, **{"general.architecture": g}), "q", "x.gguf")
+
+
 
 
 def test_config_values_are_exact_types():

@@ -63,7 +63,8 @@ def run_ours(artifact, weights, prompt, steps, num_blocks=40):
 
 CASES = [("llama_ckpt", 4, "float32"), ("llama_ckpt", 16, "float32"),
          ("llama_ckpt", None, "float32"),  # the CPU's default block size (64)
-         ("qwen2_ckpt", 4, "float32"), ("llama_tied_ckpt", 4, "float32"),
+         ("qwen2_ckpt", 4, "float32"), ("qwen3_ckpt", 4, "float32"),
+         ("llama_tied_ckpt", 4, "float32"),
          ("llama_ckpt", 4, "float16")]
 
 

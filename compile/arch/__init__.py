@@ -1,0 +1,93 @@
+"""Model families: one module per family, each a :class:`Family` describing, as data, what
+``config.py`` reads (HF ``config.json`` keys and defaults, GGUF metadata keys), how its tensors
+are named (HF and GGUF), and what its layers do (the features ``model.py`` asks for through
+``ModelConfig``).  The registry maps HF ``architectures`` and GGUF ``general.architecture`` to
+a family.  Adding a family: docs/architecture.md, "To add X".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping
+
+SLIDING_POLICIES = ("none", "every_layer", "use_sliding_window")
+DEFAULTED_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings")
+
+# HF module (below ``model.layers.N.``) -> llama.cpp's tensor name (below ``blk.N.``): the
+# layers every family here shares; a family adds its own in ``Family.gguf_layer_tensors``
+GGUF_LAYER_TENSORS = MappingProxyType({
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+})
+GGUF_GLOBAL_TENSORS = MappingProxyType({
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One decoder family, as data.
+
+    ``hf_defaults``: transformers' config-class defaults for the keys of ``DEFAULTED_KEYS`` a
+    config.json may leave out (None: ``num_key_value_heads`` = ``num_attention_heads``,
+    ``head_dim`` = ``hidden_size / num_attention_heads``).  ``qkv_bias``: q/k/v projections
+    always carry biases (the flag is not read).  ``refused_flags``: config.json booleans that,
+    when true, add what is not run here (an o_proj or MLP bias).  ``qk_norm``: a per-head
+    RMSNorm of q and k before RoPE (``self_attn.q_norm`` / ``k_norm``).  ``sliding``: how
+    transformers picks the layers with a window (``SLIDING_POLICIES``).  ``gguf_qk_permuted``:
+    llama.cpp's converter reorders Q / K rows for its interleaved RoPE (undone at load).
+    ``norm`` and ``activation``: the layer's norm (``x * rsqrt(mean(x^2) + eps) * w``) and
+    gate activation (the names config.json may give it).
+    """
+
+    name: str
+    hf_architectures: tuple[str, ...]
+    gguf_architecture: str | None
+    hf_defaults: Mapping[str, Any]
+    qkv_bias: bool = False
+    refused_flags: tuple[str, ...] = ()
+    qk_norm: bool = False
+    sliding: str = "none"
+    gguf_qk_permuted: bool = False
+    gguf_layer_tensors: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: GGUF_LAYER_TENSORS)
+    norm: str = "rms"
+    activation: tuple[str, ...] = ("silu", "swish")  # one function: transformers maps both
+
+    def __post_init__(self):
+        if self.sliding not in SLIDING_POLICIES:
+            raise ValueError(f"{self.name}: sliding={self.sliding!r}, not in {SLIDING_POLICIES}")
+        if set(self.hf_defaults) != set(DEFAULTED_KEYS):
+            raise ValueError(f"{self.name}: hf_defaults must give {DEFAULTED_KEYS}")
+        if self.norm != "rms":
+            raise ValueError(f"{self.name}: norm={self.norm!r}: only 'rms' is built")
+
+
+def _families() -> dict[str, Family]:
+    from . import llama, mistral, qwen2, qwen3
+
+    return {m.FAMILY.name: m.FAMILY for m in (llama, mistral, qwen2, qwen3)}
+
+
+FAMILIES: Mapping[str, Family] = MappingProxyType(_families())
+BY_HF: Mapping[str, Family] = MappingProxyType(
+    {a: f for f in FAMILIES.values() for a in f.hf_architectures})
+BY_GGUF: Mapping[str, Family] = MappingProxyType(
+    {f.gguf_architecture: f for f in FAMILIES.values() if f.gguf_architecture})
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (``ModelConfig.arch``)."""
+    return FAMILIES[name]
+
+
+def gguf_layer_tensor(module: str) -> str | None:
+    """llama.cpp's name for the HF layer module ``module`` (any family's), or None."""
+    for fam in FAMILIES.values():
+        if module in fam.gguf_layer_tensors:
+            return fam.gguf_layer_tensors[module]
+    return None

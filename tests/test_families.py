@@ -1,0 +1,123 @@
+"""Model families (compile/arch): each family's HF checkpoint converted to GGUF the way
+llama.cpp's converter writes it reads back as the same config and weights, and generates
+transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_decode.compile import arch, weights
+from paged_decode.compile.weights import resolve_model
+
+from .conftest import LOGIT_TOL
+from .test_runtime_hf import hf_reference, run_ours
+
+PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
+STEPS = 32
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: per head, halves -> interleaved pairs."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool):
+    """A float32 GGUF of ``ckpt`` as convert_hf_to_gguf writes a model of ``gguf_arch``:
+    llama.cpp's metadata keys under that architecture, its tensor names, Q / K rows permuted
+    only for ``permute_qk`` (Llama; Qwen's NEOX RoPE keeps HF's order), no ``output.weight``
+    for tied embeddings; a byte-level ('gpt2') vocabulary so the file loads as a model."""
+    import gguf
+
+    cfg = resolve_model(str(ckpt.path)).config
+    w = gguf.GGUFWriter(path, gguf_arch)
+    w.add_block_count(cfg.n_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.n_q_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
+    for hf_name, value in ckpt.state.items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if permute_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            value = llama_cpp_permute(value, cfg.n_q_heads if ".q_proj." in hf_name
+                                      else cfg.n_kv_heads)
+        w.add_tensor(weights.gguf_name(hf_name), np.ascontiguousarray(value, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def family_gguf(tmp_path_factory, request):
+    """``family_gguf(ckpt fixture name, GGUF architecture)`` -> the GGUF path, written once."""
+    made = {}
+
+    def get(ckpt: str, gguf_arch: str):
+        if (ckpt, gguf_arch) not in made:
+            saved = request.getfixturevalue(ckpt)
+            # named as the folder: an equal config then reuses the folder's artifact
+            path = tmp_path_factory.mktemp("family_gguf") / f"{saved.path.name}.gguf"
+            made[ckpt, gguf_arch] = write_family_gguf(
+                path, saved, gguf_arch, permute_qk=arch.BY_GGUF[gguf_arch].gguf_qk_permuted)
+        return made[ckpt, gguf_arch]
+    return get
+
+
+def test_registry_maps_every_name_to_its_family():
+    assert {a: f.name for a, f in arch.BY_HF.items()} == {
+        "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+    assert {a: f.name for a, f in arch.BY_GGUF.items()} == {
+        "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert weights.gguf_name("model.layers.1.self_attn.k_norm.weight") == "blk.1.attn_k_norm.weight"
+    assert weights.gguf_name("model.layers.0.self_attn.q_proj.bias") == "blk.0.attn_q.bias"
+
+
+@pytest.mark.parametrize("ckpt,gguf_arch", [("qwen2_ckpt", "qwen2"), ("qwen3_ckpt", "qwen3"),
+                                            ("llama_ckpt", "llama")])
+def test_gguf_form_reads_as_the_hf_form(request, family_gguf, ckpt, gguf_arch):
+    """The GGUF's config is the folder's (eps as float32 stores it) and every parameter is
+    equal: tensor names, Q / K row order, biases, q/k norms and the tied head."""
+    hf = resolve_model(str(request.getfixturevalue(ckpt).path))
+    source = resolve_model(str(family_gguf(ckpt, gguf_arch)))
+    assert source.kind == "gguf"
+    want = dict(hf.config.shape_dict(), rms_norm_eps=float(np.float32(hf.config.rms_norm_eps)))
+    assert source.config.shape_dict() == want
+    ours, ref = source.load_params("float32"), hf.load_params("float32")
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+
+
+def test_qwen3_layers_have_qk_norms(qwen3_ckpt):
+    cfg = resolve_model(str(qwen3_ckpt.path)).config
+    assert (cfg.arch, cfg.qk_norm, cfg.attention_bias, cfg.head_dim) == ("qwen3", True, False, 32)
+    params = resolve_model(str(qwen3_ckpt.path)).load_params("float32")
+    np.testing.assert_array_equal(params["layers.1.k_norm"],
+                                  qwen3_ckpt.state["model.layers.1.self_attn.k_norm.weight"])
+    assert params["layers.0.q_norm"].shape == (32,)
+
+
+@pytest.mark.parametrize("ckpt,gguf_arch", [("qwen2_ckpt", "qwen2"), ("qwen3_ckpt", "qwen3")])
+def test_gguf_generates_as_transformers(request, load, family_gguf, ckpt, gguf_arch):
+    """32 greedy tokens from the GGUF equal transformers' on the HF folder, logits within
+    LOGIT_TOL at every step."""
+    path = family_gguf(ckpt, gguf_arch)
+    artifact, weights_ = load(path, block_size=4, max_context=64)
+    ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
+    ref = hf_reference(request.getfixturevalue(ckpt).path, PROMPT, tokens)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        np.testing.assert_allclose(a, b, atol=LOGIT_TOL["float32"], rtol=0, err_msg=f"step {step}")
+    assert tokens == [int(np.argmax(r)) for r in ref[:-1]]
