@@ -1,0 +1,220 @@
+"""paged-serve replicas under Ray Serve: N engines over one compiled artifact + weight pack.
+
+The application is two deployments.  :class:`Ingress` (one light replica behind Ray's HTTP
+proxy) reads each request's body, takes the prompt text the router matches on
+(serve/ray_router.py) and hands the request to an :class:`EngineReplica` through a deployment
+handle; each ``EngineReplica`` holds one ``BatchEngine`` with its own KV pool and runs the very
+app ``paged-serve`` runs (serve/app.py ``create_app``) on the forwarded request, so the routes,
+errors and metrics are the same.  Prefix affinity needs the body before a replica is chosen,
+which Ray's proxy does not read: hence the ingress hop.
+
+Every response carries ``x-paged-replica: <id>``; a request sending that header is served by
+that replica (``GET /health`` and ``GET /metrics`` per replica), or gets 404 when it is gone.
+Ray calls :meth:`EngineReplica.check_health` every ``health_check_period_s``: a replica whose
+engine thread has stopped fails it, leaves the routing table and is replaced.  A replica that
+dies before a response's first token was sent has the request sent again to another replica
+(``retries`` times); after that the response ends with a 5xx, or, for a stream already
+started, with an error event and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from .ray_router import REPLICA_HEADER, Forwarded, routing_key
+from .ray_http import call_app
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "paged-decode"
+ROUTER = "paged_decode.serve.ray_router.PrefixAffinityRouter"
+
+
+@dataclass(frozen=True)
+class RayServeConfig:
+    """What every replica loads and how the application is laid out (paged-serve's options,
+    plus the replica count and the router's)."""
+
+    artifact_dir: str
+    weights_dir: str
+    model_name: str | tuple[str, ...]
+    replicas: int = 2
+    kv_cache_gb: float | None = None
+    max_running: int | None = None
+    max_waiting: int = 64
+    prefill_budget: int = 512
+    chat_template: str | None = None  # the template's source, read_chat_template checked it
+    api_key: str | None = None
+    tool_parser: str | None = None
+    allowed_origins: tuple[str, ...] | None = None
+    replica_cpus: float = 1.0
+    chunk_chars: int = 64  # the router's prefix unit (about 16 tokens of English)
+    imbalance: int = 8  # queue-length gap past which affinity yields to the least loaded
+    retries: int = 1
+    health_check_period_s: float = 5.0
+    health_check_timeout_s: float = 30.0
+    router_kwargs: dict = field(default_factory=dict)
+
+
+class ReplicaCore:
+    """One engine and its app; what an :class:`EngineReplica` does, without Ray."""
+
+    def __init__(self, cfg: RayServeConfig, replica_id: str):
+        from pathlib import Path
+
+        from . import load_engine
+        from .app import create_app
+
+        self.id = replica_id
+        self.engine = load_engine(Path(cfg.artifact_dir), Path(cfg.weights_dir),
+                                  kv_cache_gb=cfg.kv_cache_gb, max_running=cfg.max_running,
+                                  max_waiting=cfg.max_waiting,
+                                  prefill_budget=cfg.prefill_budget,
+                                  chat_template=cfg.chat_template)
+        names = [cfg.model_name] if isinstance(cfg.model_name, str) else list(cfg.model_name)
+        origins = None if cfg.allowed_origins is None else list(cfg.allowed_origins)
+        self.app = create_app(self.engine, names, api_key=cfg.api_key,
+                              tool_parser=cfg.tool_parser, allowed_origins=origins)
+        self.app.state.server.probe_structured_output()  # the lifespan's start-up step
+
+    def check_health(self) -> None:
+        """Raise when the engine can serve no more (its thread stopped)."""
+        from paged_decode.runtime.errors import EngineStoppedError
+
+        if not self.engine.alive:
+            raise EngineStoppedError(f"replica {self.id}: the engine's thread has stopped")
+
+    async def handle(self, req: Forwarded):
+        """The app's answer to ``req``: ("start", status, headers), then body chunks."""
+        if req.pin is not None and req.pin != self.id:
+            yield _json_start(404, self.id)
+            yield _error_body(404, f"replica {req.pin} is not running (this is {self.id}); "
+                              f"drop the {REPLICA_HEADER} header or pick a running replica")
+            return
+        async for msg in call_app(self.app, req, [(REPLICA_HEADER.encode(),
+                                                   self.id.encode())]):
+            yield msg
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class EngineReplica:
+    """A Ray Serve replica: :class:`ReplicaCore` with Ray's health check and shutdown."""
+
+    def __init__(self, cfg: RayServeConfig):
+        self.core = ReplicaCore(cfg, serve.get_replica_context().replica_id.unique_id)
+
+    def check_health(self) -> None:
+        self.core.check_health()
+
+    async def handle(self, req: Forwarded):
+        async for msg in self.core.handle(req):
+            yield msg
+
+    def __del__(self):
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
+
+
+class Ingress:
+    """Ray's proxy sends every request here; it goes on to an :class:`EngineReplica`."""
+
+    def __init__(self, replica, retries: int):
+        self.replica, self.retries = replica, retries
+
+    async def __call__(self, request):
+        from .ray_http import forward
+
+        return await forward(self.replica, request, self.retries)
+
+
+def build_application(cfg: RayServeConfig):
+    """The Ray Serve application (``serve.run(build_application(cfg))``)."""
+    from ray.serve.config import RequestRouterConfig
+
+    router = RequestRouterConfig(
+        request_router_class=ROUTER,
+        request_router_kwargs={"chunk_chars": cfg.chunk_chars, "imbalance": cfg.imbalance,
+                               **cfg.router_kwargs})
+    replica = serve.deployment(
+        EngineReplica, name="EngineReplica", num_replicas=cfg.replicas,
+        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        max_ongoing_requests=_capacity(cfg), request_router_config=router,
+        health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s)
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
+                               ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=4096)
+    return ingress.bind(replica.bind(cfg), cfg.retries)
+
+
+def _capacity(cfg: RayServeConfig) -> int:
+    # what one engine admits at once (running + waiting); past it Ray queues at the ingress
+    return (cfg.max_running or 32) + cfg.max_waiting
+
+
+def _json_start(status: int, rid: str):
+    return ("start", status, [(b"content-type", b"application/json"),
+                              (REPLICA_HEADER.encode(), rid.encode())])
+
+
+def _error_body(status: int, message: str) -> bytes:
+    kind = "not_found_error" if status == 404 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}}).encode()
+
+
+def start_ray(address: str | None = None, *, num_cpus: int | None = None,
+              object_store_mb: int = 200) -> None:
+    """Connect to the Ray cluster at ``address``, or start a local one on 127.0.0.1."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024,
+             include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def run_application(cfg: RayServeConfig, host: str, port: int, *,
+                    address: str | None = None) -> None:
+    """Start Serve's proxy on ``host:port`` and the application, without blocking."""
+    start_ray(address)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(cfg), name=APP_NAME, route_prefix="/")
+    log.info("%d paged-serve replicas under Ray Serve at http://%s:%d", cfg.replicas, host,
+             port)
+
+
+def serve_with_ray(cfg: RayServeConfig, host: str, port: int, *,
+                   address: str | None = None) -> None:
+    """``paged-serve --ray-replicas N``: run the application until SIGINT / SIGTERM, then
+    shut Serve down (and the local Ray this started)."""
+    import ray
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        run_application(cfg, host, port, address=address)
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        if address is None:
+            ray.shutdown()
+
+
+__all__ = ["RayServeConfig", "ReplicaCore", "build_application", "run_application",
+           "serve_with_ray", "start_ray"]
