@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -53,13 +54,24 @@ class RayServeConfig:
     api_key: str | None = None
     tool_parser: str | None = None
     allowed_origins: tuple[str, ...] | None = None
-    replica_cpus: float = 1.0
+    replica_cpus: float | None = None  # None: this machine's cores shared by the replicas
     chunk_chars: int = 64  # the router's prefix unit (about 16 tokens of English)
     imbalance: int = 8  # queue-length gap past which affinity yields to the least loaded
     retries: int = 1
     health_check_period_s: float = 5.0
     health_check_timeout_s: float = 30.0
     router_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from paged_decode.runtime.errors import ConfigError
+
+        for name in ("replicas", "chunk_chars"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name}: {getattr(self, name)!r}, expected a whole number "
+                                  ">= 1")
+        if self.retries < 0 or self.imbalance < 0:
+            raise ConfigError(f"retries {self.retries}, imbalance {self.imbalance}: expected "
+                              "whole numbers >= 0")
 
 
 class ReplicaCore:
@@ -109,6 +121,8 @@ class EngineReplica:
     """A Ray Serve replica: :class:`ReplicaCore` with Ray's health check and shutdown."""
 
     def __init__(self, cfg: RayServeConfig):
+        # TVM's pool would start one thread per core of the machine in every replica
+        os.environ["TVM_NUM_THREADS"] = str(max(1, int(replica_cpus(cfg))))
         self.core = ReplicaCore(cfg, serve.get_replica_context().replica_id.unique_id)
 
     def check_health(self) -> None:
@@ -146,7 +160,7 @@ def build_application(cfg: RayServeConfig):
                                **cfg.router_kwargs})
     replica = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=cfg.replicas,
-        ray_actor_options={"num_cpus": cfg.replica_cpus},
+        ray_actor_options={"num_cpus": replica_cpus(cfg)},
         max_ongoing_requests=_capacity(cfg), request_router_config=router,
         health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s)
@@ -154,6 +168,54 @@ def build_application(cfg: RayServeConfig):
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=4096)
     return ingress.bind(replica.bind(cfg), cfg.retries)
+
+
+def app_builder(args: dict):
+    """The application from ``serve run`` arguments or a Serve config file's ``args``
+    (``artifact_dir``, ``weights_dir``, ``model_name`` and any :class:`RayServeConfig` field;
+    strings are converted to the field's type; ``chat_template`` names a file)."""
+    import dataclasses
+
+    from paged_decode.runtime.errors import ConfigError
+
+    fields = {f.name: f for f in dataclasses.fields(RayServeConfig)}
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown Ray Serve argument(s) {unknown}: expected some of "
+                          f"{sorted(fields)}")
+    try:
+        values = {k: _typed(fields[k].type, v) for k, v in args.items()}
+        if values.get("chat_template") is not None:  # a file here, as paged-serve's option
+            from . import read_chat_template
+
+            values["chat_template"] = read_chat_template(values["chat_template"])
+        return build_application(RayServeConfig(**values))
+    except TypeError as e:
+        raise ConfigError(f"Ray Serve arguments: {e} (artifact_dir, weights_dir and "
+                          "model_name are required)") from e
+
+
+def _typed(kind: str, value):
+    if not isinstance(value, str):
+        return value
+    if value.lower() == "none" and "None" in kind:
+        return None
+    for name, cast in (("int", int), ("float", float)):
+        if kind.startswith(name):
+            try:
+                return cast(value)
+            except ValueError as e:
+                from paged_decode.runtime.errors import ConfigError
+
+                raise ConfigError(f"Ray Serve argument {value!r}: not {kind}") from e
+    return value
+
+
+def replica_cpus(cfg: RayServeConfig) -> float:
+    """The CPUs Ray reserves for each replica (and its TVM threads)."""
+    if cfg.replica_cpus is not None:
+        return cfg.replica_cpus
+    return max(1, (os.cpu_count() or 1) // cfg.replicas)
 
 
 def _capacity(cfg: RayServeConfig) -> int:
@@ -189,7 +251,11 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
 def run_application(cfg: RayServeConfig, host: str, port: int, *,
                     address: str | None = None) -> None:
     """Start Serve's proxy on ``host:port`` and the application, without blocking."""
-    start_ray(address)
+    import math
+
+    # a local Ray offers at least what the replicas reserve, or the last ones never start
+    start_ray(address, num_cpus=max(os.cpu_count() or 1,
+                                    math.ceil(cfg.replicas * replica_cpus(cfg))))
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_application(cfg), name=APP_NAME, route_prefix="/")
     log.info("%d paged-serve replicas under Ray Serve at http://%s:%d", cfg.replicas, host,
@@ -216,5 +282,5 @@ def serve_with_ray(cfg: RayServeConfig, host: str, port: int, *,
             ray.shutdown()
 
 
-__all__ = ["RayServeConfig", "ReplicaCore", "build_application", "run_application",
+__all__ = ["RayServeConfig", "ReplicaCore", "app_builder", "build_application", "run_application",
            "serve_with_ray", "start_ray"]

@@ -43,7 +43,7 @@ class RayServed:
     def __init__(self, prepared):
         self.cfg = RayServeConfig(str(prepared.artifact_dir), str(prepared.weights_dir),
                                   "tiny", replicas=2, max_running=16, max_waiting=32,
-                                  chat_template=CHAT_TEMPLATE, replica_cpus=0.5,
+                                  chat_template=CHAT_TEMPLATE, replica_cpus=1,
                                   chunk_chars=8, health_check_period_s=1.0)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
