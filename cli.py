@@ -575,14 +575,17 @@ def cache_cmd(artifacts, clear, yes):
               "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "
               "model, read by both engines, KV cache float16")
 @click.option("--section", "sections", multiple=True,
-              type=click.Choice(["decode", "batch", "serve"]), default=["decode"],
+              type=click.Choice(["decode", "batch", "serve", "start"]), default=["decode"],
               show_default=True,
               help="what to measure (repeatable): decode = one sequence's decode and prefill; "
               "batch = aggregate tokens/s of steps over b = 1..32 sequences against the "
               "measured bandwidth and FMA roofs, llama.cpp's batch API and HF generate; "
               "serve = paged-serve (and llama.cpp's server on a GGUF) under concurrent "
               "streaming clients and a Poisson trace: tokens/s, time to first token and "
-              "inter-token latency p50 / p99")
+              "inter-token latency p50 / p99; start = a warm paged-run's wall time and "
+              "peak RSS, paged-serve's ready time and idle RSS, and llama.cpp loading the same "
+              "GGUF and answering one token, from fresh processes (use --model default for the "
+              "shipped SmolLM2)")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
               help="rounds of back-to-back measurements, ratios paired per round "

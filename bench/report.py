@@ -190,6 +190,9 @@ def markdown(report: dict) -> str:
         lines += ["", *_decode_lines(report)]
     lines += _batch_lines(report)
     lines += _serve_lines(report)
+    from .start import markdown as start_lines
+
+    lines += start_lines(report.get("start_runs", []))
     return "\n".join(lines) + "\n"
 
 

@@ -39,7 +39,7 @@ FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, retries=2, prompts=
             bw_mb=512, replan=8)
 QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32), bw_mb=64,
              replan=4)
-SECTIONS = ("decode", "batch", "serve")
+SECTIONS = ("decode", "batch", "serve", "start")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 
 
@@ -604,6 +604,14 @@ def _hf(source: ModelSource, dtype: str, cfg: dict, say) -> dict:
     return _in_child(_hf_child, source, cfg)
 
 
+def _run_start(model, source, cfg, rounds, artifacts, say) -> dict:
+    from .start import run_start
+
+    gguf = source.path if source.kind == "gguf" else None
+    size = () if cfg["block_size"] is None else ("--block-size", str(cfg["block_size"]))
+    return run_start(None if model == "default" else model, gguf, rounds, artifacts, say, size)
+
+
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
               dtypes=("float32", "float16"), rounds: int | None = None,
               block_size: int | None = None, sections=("decode",),
@@ -621,16 +629,21 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
         cfg["rounds"] = cfg["batch"]["rounds"] = rounds
     # resolved (and an HF or GGUF model's weights hashed) once: an unknown model fails before
     # anything is written or measured
-    sources = {model: resolve_model(model) for model in models}
+    sources = {model: resolve_model(None if model == "default" else model) for model in models}
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
-              "sections": list(sections), "runs": [], "batch_runs": [], "serve_runs": []}
+              "sections": list(sections), "runs": [], "batch_runs": [], "serve_runs": [],
+              "start_runs": []}
     hf_by_model: dict = {}
     with tempfile.TemporaryDirectory() as work:
         for model in models:
-            for dtype in dtypes:
+            if "start" in sections:  # a start builds the model's default formats: no dtype
+                report["start_runs"].append(_run_start(model, sources[model], cfg,
+                                                       rounds or (1 if quick else 3),
+                                                       artifacts, say))
+            for dtype in dtypes if set(sections) - {"start"} else ():
                 say(f"{model} {dtype}")
                 if "decode" in sections:
                     report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts,

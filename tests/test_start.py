@@ -121,7 +121,8 @@ def test_serve_answers_loading_until_the_model_is_ready(tmp_path, build, artifac
     build("tiny", block_size=4, max_context=64, batch_buckets=BUCKETS)  # tests/test_serve.py's
     port, gate = _free_port(), tmp_path / "gate"
     args = ["--model", "tiny", "--block-size", "4", "--max-context", "64", "--batch-buckets",
-            ",".join(map(str, BUCKETS)), "--artifacts", str(artifact_root), "--port", str(port), "--log-level", "warning"]
+            ",".join(map(str, BUCKETS)), "--artifacts", str(artifact_root), "--port", str(port),
+            "--log-level", "warning"]
     proc = subprocess.Popen([sys.executable, "-c", SERVE_DRIVER, str(gate), *args],
                             stderr=subprocess.PIPE, text=True)
     try:
