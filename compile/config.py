@@ -97,6 +97,8 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v biases (never an o_proj bias)
     max_position_embeddings: int = 4096
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights of head_dim)
+    # each RoPE frequency divided by its factor (a GGUF's rope_freqs tensor: llama3 scaling)
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -124,9 +126,24 @@ class ModelConfig:
         if not (self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling)):
             raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
                               "RopeScaling")
+        self._check_freq_factors()
         for field in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"{field}={short_repr(getattr(self, field))}: must be a bool")
+
+    def _check_freq_factors(self) -> None:
+        factors = self.rope_freq_factors
+        if factors is None:
+            return
+        # at least float32's smallest normal: 1 / factor stays finite in float32
+        if (not isinstance(factors, tuple) or len(factors) != self.head_dim // 2
+                or not all(is_real(v) and 1.1754944e-38 <= v <= FLOAT32_MAX for v in factors)):
+            raise ConfigError(f"rope_freq_factors={short_repr(factors)}: must be "
+                              f"{self.head_dim // 2} positive finite float32 numbers (one per "
+                              f"RoPE frequency of head_dim {self.head_dim})")
+        if self.rope_scaling is not None:
+            raise ConfigError("rope_scaling and rope_freq_factors are both set: one RoPE scaling "
+                              "only")
 
     @property
     def q_size(self) -> int:
@@ -414,9 +431,9 @@ def from_hf_dir(path: str | Path) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- GGUF metadata
 
-def _gguf_refuse_unsupported(f: _Fields, g: str, head_dim: int) -> None:
-    """GGUF features that change the math and are not implemented (``g``: the key prefix,
-    ``general.architecture``)."""
+def _gguf_refuse_unsupported(f: _Fields, fam: Family, head_dim: int) -> None:
+    """GGUF features that change the math and are not implemented."""
+    g = fam.gguf_architecture
     for key, what in ((f"{g}.attention.value_length", "a value head size"),
                       (f"{g}.rope.dimension_count", "RoPE dimensions (partial RoPE)")):
         value = f.integer(key, head_dim)
@@ -428,7 +445,7 @@ def _gguf_refuse_unsupported(f: _Fields, g: str, head_dim: int) -> None:
                           "mixture-of-experts models are not supported")
     scaling = f.string(f"{g}.rope.scaling.type", "none")
     freqs = f.flag("_has_rope_freqs", False)
-    if freqs or scaling != "none":
+    if scaling != "none" or (freqs and not fam.gguf_rope_freqs):
         raise ConfigError(f"{f.source}: RoPE scaling ({g}.rope.scaling.type={scaling!r}, "
                           f"rope_freqs tensor={freqs}) is not supported in GGUF files; use the HF "
                           "checkpoint")
@@ -442,6 +459,19 @@ def _gguf_vocab_size(f: _Fields, g: str) -> int:
         raise ConfigError(f"{f.source}: GGUF metadata gives no vocabulary size (neither "
                           f"{g}.vocab_size nor tokenizer.ggml.tokens)")
     return len(tokens)
+
+
+def _gguf_rope_freqs(f: _Fields, head_dim: int) -> tuple | None:
+    """The rope_freqs tensor's values (checked by ModelConfig), or None without one."""
+    if not f.flag("_has_rope_freqs", False):
+        return None
+    values = f.raw.get("_rope_freqs")
+    if not isinstance(values, (list, tuple)) or len(values) != head_dim // 2:
+        count = len(values) if isinstance(values, (list, tuple)) else "no"
+        raise ConfigError(f"{f.source}: the rope_freqs tensor holds {count} values; head_dim "
+                          f"{head_dim} needs {head_dim // 2} (one per RoPE frequency): the "
+                          "file is damaged or not a llama3-scaled model")
+    return tuple(float(v) if is_real(v) else v for v in values)
 
 
 def _gguf_family(fields: dict, source: str) -> Family:
@@ -463,7 +493,7 @@ def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelCon
     f, g = _Fields(fields, source), fam.gguf_architecture
     hidden, n_q = f.integer(f"{g}.embedding_length"), f.integer(f"{g}.attention.head_count")
     head_dim = f.integer(f"{g}.attention.key_length", hidden // n_q)  # 0: refused by _build
-    _gguf_refuse_unsupported(f, g, head_dim)
+    _gguf_refuse_unsupported(f, fam, head_dim)
     return _build(
         source, name=name, arch=fam.name, hidden_size=hidden,
         n_layers=f.integer(f"{g}.block_count"), n_q_heads=n_q,
@@ -471,7 +501,7 @@ def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelCon
         intermediate_size=f.integer(f"{g}.feed_forward_length"), vocab_size=_gguf_vocab_size(f, g),
         rms_norm_eps=f.number(f"{g}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=f.number(f"{g}.rope.freq_base", 10000.0),
-        tie_word_embeddings=not f.flag("_has_output_weight", False),
+        rope_freq_factors=_gguf_rope_freqs(f, head_dim), tie_word_embeddings=not f.flag("_has_output_weight", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
         max_position_embeddings=f.integer(f"{g}.context_length", 4096),
     )

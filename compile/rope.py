@@ -10,10 +10,13 @@ from .config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """(head_dim / 2,) float32: ``1 / theta^(2i / head_dim)``, then llama3 scaling if set."""
+    """(head_dim / 2,) float32: ``1 / theta^(2i / head_dim)``, then llama3 scaling if set
+    (from ``rope_scaling``'s parameters, or divided by ``rope_freq_factors``)."""
     d = cfg.head_dim
     exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
     inv = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    if cfg.rope_freq_factors is not None:  # as llama.cpp applies a rope_freqs tensor
+        return (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv

@@ -489,8 +489,9 @@ def _gguf_reader(path: Path, _mtime_ns: int, _size: int):
 
 
 def gguf_fields(path: str | Path) -> dict[str, Any]:
-    """GGUF metadata as plain Python values, plus ``_has_output_weight`` (an untied lm_head)
-    and ``_has_rope_freqs`` (llama3-style RoPE scaling stored as a tensor)."""
+    """GGUF metadata as plain Python values, plus ``_has_output_weight`` (an untied lm_head),
+    ``_has_rope_freqs`` and ``_rope_freqs`` (llama3-style RoPE scaling stored as a tensor: the
+    divisor of each RoPE frequency, as floats)."""
     reader = _open_gguf(Path(path))
     try:
         fields = {key: field.contents() for key, field in reader.fields.items()}
@@ -498,7 +499,17 @@ def gguf_fields(path: str | Path) -> dict[str, Any]:
         raise WeightsError(f"{path}: damaged GGUF metadata ({type(e).__name__}: {e}); "
                            "re-download it") from e
     fields["_has_output_weight"] = any(t.name == "output.weight" for t in reader.tensors)
-    fields["_has_rope_freqs"] = any(t.name == "rope_freqs.weight" for t in reader.tensors)
+    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    fields["_has_rope_freqs"] = bool(freqs)
+    if freqs:
+        from gguf.quants import dequantize
+
+        try:
+            values = dequantize(freqs[0].data, freqs[0].tensor_type)
+        except NotImplementedError as e:
+            raise WeightsError(f"rope_freqs.weight in {path}: cannot dequantize "
+                               f"{freqs[0].tensor_type.name} ({e})") from e
+        fields["_rope_freqs"] = [float(v) for v in np.asarray(values, np.float64).ravel()]
     return fields
 
 

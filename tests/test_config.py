@@ -163,6 +163,21 @@ def test_unknown_preset_named():
         resolve_model("gpt-5")
 
 
+def test_gguf_rope_freqs_are_llama3_factors():
+    """A llama file's rope_freqs tensor (llama.cpp's form of llama3 scaling) divides each RoPE
+    frequency: the config carries the factors and the RoPE table is the scaled one."""
+    from paged_decode.compile.rope import rope_inv_freq
+
+    factors = [1.0, 2.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+    fields = dict(GGUF_BASE, _has_rope_freqs=True, _rope_freqs=factors)
+    cfg = config.from_gguf_fields(fields, "l3", "x.gguf")
+    assert cfg.rope_freq_factors == tuple(factors) and cfg.rope_scaling is None
+    plain = config.from_gguf_fields(GGUF_BASE, "l", "x.gguf")
+    assert (rope_inv_freq(plain) / rope_inv_freq(cfg)).tolist() == factors
+    with pytest.raises(ConfigError, match="both set"):
+        ModelConfig(**dict(cfg.__dict__, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16)))
+
+
 def test_gguf_metadata_errors():
     base = {"general.architecture": "llama", "llama.embedding_length": 64,
             "llama.attention.head_count": 4, "llama.block_count": 2,
@@ -424,7 +439,11 @@ GGUF_BASE = {"general.architecture": "llama", "llama.embedding_length": 64,
     ({"llama.rope.dimension_count": 8}, r"rope\.dimension_count=8: RoPE dimensions"),
     ({"llama.expert_count": 8}, r"llama\.expert_count=8: mixture-of-experts"),
     ({"llama.rope.scaling.type": "yarn"}, r"rope\.scaling\.type='yarn'"),
-    ({"_has_rope_freqs": True}, r"rope_freqs tensor=True"),
+    ({"_has_rope_freqs": True}, r"rope_freqs tensor holds no values; head_dim 16 needs 8"),
+    ({"_has_rope_freqs": True, "_rope_freqs": [1.0] * 7}, r"holds 7 values; head_dim 16 needs 8"),
+    ({"_has_rope_freqs": True, "_rope_freqs": [1.0] * 7 + [float("inf")]},
+     r"rope_freq_factors=.*: must be 8 positive finite float32 numbers"),
+    ({"_has_rope_freqs": True, "_rope_freqs": [1.0] * 7 + [0.0]}, r"rope_freq_factors="),
     ({"general.architecture": ["llama"]}, r"general\.architecture=\['llama'\]"),
     ({"general.architecture": "qwen3moe"}, r"general\.architecture='qwen3moe' is not supp"),
 ])
@@ -450,6 +469,9 @@ def test_gguf_families_read_their_own_keys(gguf_arch):
     assert cfg.rope_theta == 1e6 and cfg.max_position_embeddings == 4096
     with pytest.raises(ConfigError, match=rf"{g}\.rope\.scaling\.type='yarn'"):
         config.from_gguf_fields(dict(fields, **{f"{g}.rope.scaling.type": "yarn"}), "q", "x")
+    with pytest.raises(ConfigError, match=r"rope_freqs tensor=True\) is not supported"):
+        config.from_gguf_fields(dict(fields, _has_rope_freqs=True, _rope_freqs=[1.0] * 16), "q",
+                                "x")
     with pytest.raises(ConfigError, match=rf"{g}\.embedding_length"):
         config.from_gguf_fields(dict(GGUF_BASE, **{"general.architecture": g}), "q", "x.gguf")
 

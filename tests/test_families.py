@@ -4,6 +4,8 @@ transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from paged_decode.compile import arch, weights
 from paged_decode.compile.weights import resolve_model
 
 from .conftest import LOGIT_TOL
-from .test_runtime_hf import hf_reference, run_ours
+from .test_runtime_hf import hf_reference, llama_tied_ckpt, run_ours  # noqa: F401  (fixture)
 
 PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
 STEPS = 32
@@ -23,11 +25,38 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
         w.shape)
 
 
-def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool):
+def llama3_rope_factors(ckpt) -> np.ndarray:
+    """convert_hf_to_gguf's ``rope_freqs`` for a llama3-scaled Llama (LlamaModel's
+    generate_extra_tensors), from the checkpoint's own scaling parameters."""
+    import math
+
+    from transformers import AutoConfig
+
+    hc = AutoConfig.from_pretrained(ckpt.path)
+    rope = hc.rope_parameters
+    base, dim = rope["rope_theta"], hc.head_dim
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
+def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool, rope_freqs=None):
     """A float32 GGUF of ``ckpt`` as convert_hf_to_gguf writes a model of ``gguf_arch``:
     llama.cpp's metadata keys under that architecture, its tensor names, Q / K rows permuted
     only for ``permute_qk`` (Llama; Qwen's NEOX RoPE keeps HF's order), no ``output.weight``
-    for tied embeddings; a byte-level ('gpt2') vocabulary so the file loads as a model."""
+    for tied embeddings, ``rope_freqs`` (llama3 scaling) as its tensor; a byte-level ('gpt2')
+    vocabulary so the file loads as a model."""
     import gguf
 
     cfg = resolve_model(str(ckpt.path)).config
@@ -45,6 +74,8 @@ def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool):
     w.add_tokenizer_model("gpt2")
     alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
     w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
     for hf_name, value in ckpt.state.items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -118,6 +149,34 @@ def test_gguf_generates_as_transformers(request, load, family_gguf, ckpt, gguf_a
     artifact, weights_ = load(path, block_size=4, max_context=64)
     ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
     ref = hf_reference(request.getfixturevalue(ckpt).path, PROMPT, tokens)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        np.testing.assert_allclose(a, b, atol=LOGIT_TOL["float32"], rtol=0, err_msg=f"step {step}")
+    assert tokens == [int(np.argmax(r)) for r in ref[:-1]]
+
+
+def test_llama3_gguf_rope_freqs_generate_as_transformers(load, tmp_path_factory,
+                                                        llama_tied_ckpt):  # noqa: F811
+    """A Llama 3.x GGUF stores llama3 RoPE scaling as the converter's ``rope_freqs`` tensor:
+    its RoPE table is transformers' llama3 one, and 32 greedy tokens equal transformers' (the
+    checkpoint's original context of 16 makes the scaling matter within the prompt)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paged_decode.compile.rope import rope_inv_freq
+
+    ckpt = llama_tied_ckpt
+    path = write_family_gguf(tmp_path_factory.mktemp("llama3") / f"{ckpt.path.name}.gguf", ckpt,
+                             "llama", permute_qk=True, rope_freqs=llama3_rope_factors(ckpt))
+    source = resolve_model(str(path))
+    assert source.config.rope_freq_factors is not None and source.config.rope_scaling is None
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    hf_inv = model.model.rotary_emb.inv_freq.numpy()
+    unscaled = rope_inv_freq(dataclasses.replace(source.config, rope_freq_factors=None))
+    assert not np.allclose(hf_inv, unscaled, rtol=1e-3)  # the scaling changes the table
+    np.testing.assert_allclose(rope_inv_freq(source.config), hf_inv, rtol=1e-6, atol=0)
+    artifact, weights_ = load(path, block_size=4, max_context=64)
+    ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
+    ref = hf_reference(ckpt.path, PROMPT, tokens)
     for step, (a, b) in enumerate(zip(ours, ref)):
         np.testing.assert_allclose(a, b, atol=LOGIT_TOL["float32"], rtol=0, err_msg=f"step {step}")
     assert tokens == [int(np.argmax(r)) for r in ref[:-1]]

@@ -40,6 +40,8 @@ class Family:
     RMSNorm of q and k before RoPE (``self_attn.q_norm`` / ``k_norm``).  ``sliding``: how
     transformers picks the layers with a window (``SLIDING_POLICIES``).  ``gguf_qk_permuted``:
     llama.cpp's converter reorders Q / K rows for its interleaved RoPE (undone at load).
+    ``gguf_rope_freqs``: llama.cpp reads a ``rope_freqs`` tensor (per-frequency divisors: how
+    its converter stores llama3 RoPE scaling) for this family; elsewhere one is refused.
     ``norm`` and ``activation``: the layer's norm (``x * rsqrt(mean(x^2) + eps) * w``) and
     gate activation (the names config.json may give it).
     """
@@ -53,6 +55,7 @@ class Family:
     qk_norm: bool = False
     sliding: str = "none"
     gguf_qk_permuted: bool = False
+    gguf_rope_freqs: bool = False
     gguf_layer_tensors: Mapping[str, str] = dataclasses.field(
         default_factory=lambda: GGUF_LAYER_TENSORS)
     norm: str = "rms"

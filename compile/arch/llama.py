@@ -12,4 +12,5 @@ FAMILY = Family(
     # attention_bias adds an o_proj bias besides q/k/v's; mlp_bias the MLP's
     refused_flags=("mlp_bias", "attention_bias"),
     gguf_qk_permuted=True,
+    gguf_rope_freqs=True,  # Llama 3.x's llama3 scaling
 )
