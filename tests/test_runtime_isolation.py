@@ -52,13 +52,17 @@ import json, sys
 from paged_decode.runtime.engine import Engine
 engine = Engine.load({str(prepared.artifact_dir)!r}, {str(prepared.weights_dir)!r})
 tokens = engine.generator.generate([1, 2, 3], 5)
+maps = open("/proc/self/maps").read()
 print(json.dumps({{"tokens": tokens,
                   "compile": sorted(m for m in sys.modules if m.startswith("paged_decode.compile")),
-                  "transformers": "transformers" in sys.modules}}))
+                  "transformers": "transformers" in sys.modules,
+                  "torch": sys.modules.get("torch") is not None,
+                  "compiler_lib": "libtvm_compiler" in maps}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert len(result["tokens"]) == 5
-    # (torch may load: tvm_ffi imports it for DLPack interop when it is installed)
     assert result["compile"] == [] and result["transformers"] is False
+    # the runtime side loads TVM's runtime library only, without tvm_ffi's optional torch
+    assert result["torch"] is False and result["compiler_lib"] is False
