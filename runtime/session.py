@@ -228,7 +228,8 @@ class PagedDecodeSession:
             self._upload()
             logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
                                 self._pools_arg, self._params_arg)
-            row = _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at position {pos}")
+            row = _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at "
+                                                  f"position {pos}")
         except BaseException:
             if snap is not None:
                 handle.restore(snap)
