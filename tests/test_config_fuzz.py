@@ -150,7 +150,7 @@ GGUF_KEYS = sorted(set(GGUF_BASE) | {
     "llama.attention.head_count_kv", "llama.attention.key_length", "llama.attention.value_length",
     "llama.rope.dimension_count", "llama.expert_count", "llama.rope.scaling.type",
     "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base", "llama.context_length",
-    "tokenizer.ggml.tokens", "_has_output_weight", "_has_rope_freqs"})
+    "tokenizer.ggml.tokens", "_has_output_weight", "_has_rope_freqs", "_rope_freqs"})
 
 
 @settings(max_examples=300, deadline=None)
