@@ -114,3 +114,28 @@ def test_cache_clear_asks_first(build, tmp_path):
     yes = runner.invoke(cli.cache_cmd, ["--artifacts", str(root), "--clear"], input="y\n")
     assert yes.exit_code == 0 and "cleared 1 artifacts and 1 weight packs" in yes.output
     assert not art.exists() and not pack.exists()
+
+
+def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(load, llama_ckpt):
+    from paged_decode.repl import chat_loop
+    from paged_decode.runtime.engine import Engine
+    from paged_decode.runtime.sampling import SamplingParams
+
+    from .conftest import make_pool
+
+    artifact, weights = load(llama_ckpt.path, **BUILD)
+    tokenizer = Tokenizer.from_dir(weights.path)
+    engine = Engine(artifact, weights, make_pool(artifact, 16), tokenizer)
+    lines, written, said = iter(["the fox", "the dog", "/exit"]), [], []
+
+    def write(text: str) -> None:
+        if len(said) == 1 and not written:  # the first piece of the first reply: Ctrl-C
+            written.append("^C")
+            raise KeyboardInterrupt
+        written.append(text)
+
+    replies = chat_loop(engine, max_new_tokens=4, sampling=SamplingParams(),
+                        read=lambda _prompt: next(lines), write=write, say=said.append)
+    assert replies == 2 and "(stopped)" in said
+    # the stopped reply freed its blocks: the pool is as full as before the conversation
+    assert engine.pool.num_free == 16
