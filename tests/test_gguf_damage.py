@@ -114,6 +114,30 @@ def test_a_non_finite_f32_norm_is_named(valid, tmp_path, value):
         resolve_model(str(bad))
 
 
+@pytest.mark.parametrize("type_name, dtype", [("F16", np.float16), ("BF16", None),
+                                              ("F32", np.float32)])
+def test_a_non_finite_float_tensor_of_each_float_type_is_named(llama_ckpt, tmp_path, type_name,
+                                                                dtype):
+    """F16 and BF16 are checked on their exponent bits: one NaN, one -inf among finite values
+    (the largest finite float16 included, which must pass)."""
+    cfg = resolve_model(str(llama_ckpt.path)).config
+    values = llama_ckpt.state["model.layers.0.self_attn.o_proj.weight"]
+    if dtype is None:  # bfloat16: the high half of float32
+        bits = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        nan, inf = np.uint16(0x7FC0), np.uint16(0xFF80)
+    else:
+        bits = values.astype(dtype)
+        nan, inf = dtype(np.nan), dtype(-np.inf)
+        bits.flat[1] = np.finfo(dtype).max
+    bits = bits.copy()
+    bits.flat[7], bits.flat[-1] = nan, inf
+    raw = bits.view(np.uint8).reshape(cfg.hidden_size, -1)
+    path = _write(tmp_path / "f.gguf", llama_ckpt, raw={Q8_TENSOR: (type_name, raw)})
+    with pytest.raises(WeightsError, match=rf"{Q8_TENSOR} \({type_name}\) has 2 NaN or infinite "
+                                           "values"):
+        resolve_model(str(path))
+
+
 def test_a_failed_check_leaves_the_cache_as_it_was(llama_ckpt, tmp_path):
     norm_file = _write(tmp_path / "ok.gguf", llama_ckpt)
     norm = next(t for t in gguf.GGUFReader(norm_file).tensors if t.name == "output_norm.weight")
