@@ -139,3 +139,25 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(load, llama_ckpt):
     assert replies == 2 and "(stopped)" in said
     # the stopped reply freed its blocks: the pool is as full as before the conversation
     assert engine.pool.num_free == 16
+
+
+def test_build_steps_draw_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
+    from paged_decode.progress import Progress
+
+    steps = ["[1/3] compile: writing (0 s so far)", "[3/3] compile: linking (9 s so far)",
+             "weights of tiny as float32"]
+    bar = Progress(tty=True)
+    for line in steps:
+        bar(line)
+    drawn = capsys.readouterr().err
+    assert "\r[" + "." * 20 + "] 1/3 compile: writing" in drawn
+    assert "\r[" + "#" * 13 + "." * 7 + "] 3/3 compile: linking" in drawn
+    assert "so far" not in drawn  # the bar's own clock replaces the line's
+    # each step's line ends before the next line starts
+    assert drawn.rstrip("\n").endswith("weights of tiny as float32")
+    assert drawn.count("\n") == 3
+    plain = Progress(tty=False)
+    for line in steps:
+        plain(line)
+    out = capsys.readouterr().err.splitlines()
+    assert [line.split("] ", 1)[1] for line in out] == steps and "\r" not in "".join(out)
