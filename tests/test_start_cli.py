@@ -161,3 +161,16 @@ def test_build_steps_draw_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
         plain(line)
     out = capsys.readouterr().err.splitlines()
     assert [line.split("] ", 1)[1] for line in out] == steps and "\r" not in "".join(out)
+
+
+def test_artifacts_default_to_the_users_cache_not_the_package(monkeypatch, tmp_path):
+    from paged_decode.runtime.locate import PACKAGE_DIR, artifacts_root
+
+    monkeypatch.delenv("PAGED_DECODE_ARTIFACTS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = artifacts_root()
+    assert root == tmp_path / "xdg" / "paged-decode" and root.is_dir()
+    assert PACKAGE_DIR not in root.parents
+    monkeypatch.setenv("PAGED_DECODE_ARTIFACTS", str(tmp_path / "given"))
+    assert artifacts_root() == tmp_path / "given"
+    assert artifacts_root(tmp_path / "flag") == tmp_path / "flag"
