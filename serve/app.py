@@ -50,7 +50,6 @@ def create_app(engine, model_name: str | list[str], *, api_key: str | None = Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        await asyncio.to_thread(server.probe_structured_output)
         yield
         if owns_engine:
             engine.close()
@@ -58,6 +57,9 @@ def create_app(engine, model_name: str | list[str], *, api_key: str | None = Non
     app = FastAPI(title="paged-decode", version="1", lifespan=lifespan)
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     server = _Server(engine, names, api_key)
+    # here, not in the lifespan: paged-serve builds the app on its loading thread and hands it
+    # to a server whose lifespan has already run (serve_while_loading)
+    server.probe_structured_output()
     model_name = names[0]
     app.state.server = server
     install_errors(app, server)

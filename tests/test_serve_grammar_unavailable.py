@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -16,7 +21,7 @@ from paged_decode.serve.protocol import APIError, ChatRequest
 from paged_decode.serve.tools import tool_plan
 
 from .conftest import CHAT_TEMPLATE, _shared_dir
-from .test_serve import OPTS, WAIT_S, Served
+from .test_serve import OPTS, WAIT_S, Served, _free_port
 
 
 def _wordpiece_tokenizer():
@@ -59,6 +64,7 @@ def wordpiece(build, llama_ckpt, tmp_path_factory):
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     served.startup_log = [r.getMessage() for r in records]
+    served.path = path
     yield served
     served.close()
 
@@ -117,3 +123,36 @@ def test_tool_calls_name_the_reason_too(wordpiece):
     with pytest.raises(APIError) as err:
         asyncio.run(plan.constraint(wordpiece.engine))
     assert err.value.status == 400 and "not available" in err.value.message
+
+
+def test_paged_serve_says_so_in_its_start_up_log_and_models(wordpiece, artifact_root):
+    """The command builds its app on its loading thread: the check runs there too."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", "from paged_decode.cli import serve_cmd; serve_cmd()",
+           "--model", str(wordpiece.path), "--block-size", "4", "--max-context", "64",
+           "--artifacts", str(artifact_root), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the port opens at once; /health is 200 once the model is ready
+            try:
+                if httpx.get(url + "/health", timeout=WAIT_S).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        card = httpx.get(url + "/v1/models", timeout=WAIT_S).json()["data"][0]
+        r = httpx.post(url + "/v1/completions", timeout=WAIT_S, json={
+            "model": card["id"], "prompt": "hello", "max_tokens": 2,
+            "response_format": {"type": "json_object"}})
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        proc.kill()
+    assert card["structured_output"]["available"] is False, card
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    said = [line for line in (out + err).splitlines() if "structured output" in line]
+    assert len(said) == 1 and "unavailable" in said[0], out + err
