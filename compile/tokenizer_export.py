@@ -80,7 +80,19 @@ _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", 
                      "minerva")
 
 
+# llama.cpp's split expressions (llama-vocab.cpp) for the vocabularies whose tokenizer.json
+# splits with a Split(regex, isolated) before a byte-level step without GPT-2's regex
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
+_QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL  # one digit each
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+           "smaug-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
 def _gguf_pre_tokenizer(pre: str | None, source: str):
+    from tokenizers import Regex
     from tokenizers import pre_tokenizers as pt
 
     gpt2 = pt.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -88,8 +100,11 @@ def _gguf_pre_tokenizer(pre: str | None, source: str):
         return gpt2
     if pre in _DIGITS_THEN_GPT2:  # e.g. SmolLM's tokenizer.json: one token per digit
         return pt.Sequence([pt.Digits(individual_digits=True), gpt2])
+    if pre in _SPLITS:  # Llama 3's and Qwen2's tokenizer.json
+        return pt.Sequence([pt.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                            pt.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ConfigError(f"{source}: tokenizer.ggml.pre={pre!r} is not supported; supported: "
-                      f"{sorted(['default', 'gpt2', *_DIGITS_THEN_GPT2])}")
+                      f"{sorted(['default', 'gpt2', *_DIGITS_THEN_GPT2, *_SPLITS])}")
 
 
 def _gguf_tokenizer(fields: dict, source: str):

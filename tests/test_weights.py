@@ -382,7 +382,8 @@ def test_gguf_types_without_kernels_pack_as_float16_with_a_warning(llama_wide_ck
 
 @pytest.mark.parametrize("fields, message", [
     ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model='bert'"),
-    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}, "tokenizer.ggml.pre='qwen2'"),
+    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "tekken"},
+     "tokenizer.ggml.pre='tekken'"),
     ({"tokenizer.ggml.model": "gpt2"}, "no tokenizer.ggml.tokens"),
 ])
 def test_gguf_tokenizer_unsupported(fields, message):
