@@ -258,7 +258,7 @@ HF_SIDE_FILES = ("model.safetensors.index.json", "config.json", "tokenizer.json"
 _ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2,
              "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
              "F64": 8, "C64": 8}
-_ST_FLOATS = ("F32", "F16", "BF16", "F64")  # what load_params converts (through torch)
+_ST_FLOATS = ("F32", "F16", "BF16", "F64")  # what load_params converts (_hf_getter)
 _ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit
 _U64 = 1 << 64
 
@@ -435,21 +435,42 @@ def _safetensors_entry(name: str, e: Any) -> tuple[str, tuple[int, ...], int, in
 
 
 def _hf_getter(path: Path):
-    """``get(hf_name) -> (float32 array, file)`` over an HF safetensors checkpoint."""
-    from safetensors import safe_open
-
-    handles = {f: safe_open(str(f), framework="pt") for f in _safetensors_files(path)}
-    file_of = {}
-    for f, handle in handles.items():  # the first shard holding a name, as _hf_tensors
-        for name in handle.keys():
-            file_of.setdefault(name, f)
+    """``get(hf_name) -> (float32 array, file)`` over an HF safetensors checkpoint, read with
+    numpy (bfloat16 widened by a shift: exact), so building from a checkpoint needs no torch."""
+    where = {}
+    for f in _safetensors_files(path):  # the first shard holding a name, as _hf_tensors
+        for name, entry in _safetensors_spans(f).items():
+            where.setdefault(name, (f, *entry))
 
     def get(name: str) -> tuple[np.ndarray, str]:
-        if name not in file_of:
-            raise WeightsError(f"tensor {name} is missing from {[str(f) for f in handles]}")
-        # numpy has no bfloat16, so read through torch; bf16/f16 -> f32 is exact.
-        return handles[file_of[name]].get_tensor(name).float().numpy(), str(file_of[name])
+        if name not in where:
+            files = sorted({str(w[0]) for w in where.values()})
+            raise WeightsError(f"tensor {name} is missing from {files}")
+        f, dtype, shape, start, end = where[name]
+        raw = np.fromfile(f, np.uint8, count=end - start, offset=start)
+        if dtype == "BF16":
+            value = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _ST_NUMPY:
+            value = raw.view(_ST_NUMPY[dtype]).astype(np.float32)
+        else:
+            raise WeightsError(f"{f}: tensor {name} is {dtype}; weights must be F32, F16 or BF16")
+        return value.reshape(shape), str(f)
     return get
+
+
+_ST_NUMPY = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "F64": np.dtype("<f8")}
+
+
+def _safetensors_spans(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in the file, from a header that
+    :func:`_safetensors_header` has checked."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n).decode("utf-8"))
+    header.pop("__metadata__", None)
+    base = 8 + n
+    return {name: (e["dtype"], tuple(e["shape"]), base + e["data_offsets"][0],
+                   base + e["data_offsets"][1]) for name, e in header.items()}
 
 
 # ---------------------------------------------------------------------------- GGUF
