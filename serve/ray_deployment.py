@@ -56,6 +56,7 @@ class RayServeConfig:
     allowed_origins: tuple[str, ...] | None = None
     replica_cpus: float | None = None  # None: this machine's cores shared by the replicas
     replica_resources: dict = field(default_factory=dict)  # Ray custom resources, e.g. a CPU kind
+    prefix_routing: bool = True  # False: Ray's default router (power of two choices)
     chunk_chars: int = 64  # the router's prefix unit (about 16 tokens of English)
     imbalance: int = 8  # queue-length gap past which affinity yields to the least loaded
     retries: int = 1
@@ -155,10 +156,12 @@ def build_application(cfg: RayServeConfig):
     """The Ray Serve application (``serve.run(build_application(cfg))``)."""
     from ray.serve.config import RequestRouterConfig
 
-    router = RequestRouterConfig(
-        request_router_class=ROUTER,
-        request_router_kwargs={"chunk_chars": cfg.chunk_chars, "imbalance": cfg.imbalance,
-                               **cfg.router_kwargs})
+    router = RequestRouterConfig()  # Ray's default: power of two choices
+    if cfg.prefix_routing:
+        router = RequestRouterConfig(
+            request_router_class=ROUTER,
+            request_router_kwargs={"chunk_chars": cfg.chunk_chars, "imbalance": cfg.imbalance,
+                                   **cfg.router_kwargs})
     replica = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=cfg.replicas,
         ray_actor_options={"num_cpus": replica_cpus(cfg),
@@ -202,6 +205,12 @@ def _typed(kind: str, value):
         return value
     if value.lower() == "none" and "None" in kind:
         return None
+    if kind == "bool":
+        if value.lower() not in ("true", "false"):
+            from paged_decode.runtime.errors import ConfigError
+
+            raise ConfigError(f"Ray Serve argument {value!r}: not true or false")
+        return value.lower() == "true"
     for name, cast in (("int", int), ("float", float)):
         if kind.startswith(name):
             try:
@@ -246,8 +255,10 @@ def start_ray(address: str | None = None, *, num_cpus: int | None = None,
     if address is not None:
         ray.init(address=address, log_to_driver=False)
         return
-    ray.init(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024,
-             include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # "local": a new cluster even where `ray start` left one running on this machine
+    ray.init(address="local", num_cpus=num_cpus,
+             object_store_memory=object_store_mb * 1024 * 1024, include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
 def run_application(cfg: RayServeConfig, host: str, port: int, *,

@@ -88,9 +88,10 @@ def complete(http: httpx.Client, prompt: str, max_tokens: int) -> httpx.Response
                                               "max_tokens": max_tokens, "temperature": 0})
 
 
-def stream(url: str, prompt: str, max_tokens: int, pin: str | None = None) -> dict:
+def stream(url: str, prompt: str, max_tokens: int, pin: str | None = None,
+           on_text=None) -> dict:
     """A streaming completion read to its end: text, replica, status, whether [DONE] came,
-    and the error events it carried."""
+    and the error events it carried; ``on_text()`` runs at each piece of text."""
     out = {"text": "", "replica": None, "status": None, "done": False, "errors": []}
     headers = {REPLICA_HEADER: pin} if pin else {}
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -108,6 +109,8 @@ def stream(url: str, prompt: str, max_tokens: int, pin: str | None = None) -> di
                         out["errors"].append(event["error"])
                     else:
                         out["text"] += "".join(c["text"] for c in event["choices"])
+                        if on_text is not None:
+                            on_text()
     except httpx.HTTPError as e:  # a cut connection is an outcome too; a hang is not
         out["errors"].append(repr(e))
     return out
@@ -198,23 +201,24 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_hangs(served):
     prompts = [f"story {i}: once" for i in range(8)]
     want = {p: served.solo_text(p, 48) for p in prompts}
     results: list = []
-    killed = threading.Event()
-    first = threading.Barrier(len(prompts) + 1)
+    killed, streaming = threading.Event(), threading.Event()
 
-    def client(i, pin):  # streams one after another until the kill, and one more
-        first.wait(WAIT_S)
+    def survivor_client(i):  # streams one after another until the kill, and one more
         for _ in range(50):
             done = killed.is_set()
-            results.append((i, pin, stream(served.url, prompts[i], 48, pin=pin)))
+            results.append((i, survivor, stream(served.url, prompts[i], 48, pin=survivor)))
             if done:
                 return
 
-    threads = [threading.Thread(target=client, args=(i, victim if i % 2 else survivor))
-               for i in range(len(prompts))]
+    def victim_client(i):  # 24 at once: more than the replica runs, so some wait in its queue
+        results.append((i, victim, stream(served.url, prompts[i], 48, pin=victim,
+                                          on_text=streaming.set)))
+
+    threads = ([threading.Thread(target=survivor_client, args=(i,)) for i in range(4)]
+               + [threading.Thread(target=victim_client, args=(i % 8,)) for i in range(24)])
     for t in threads:
         t.start()
-    first.wait(WAIT_S)
-    time.sleep(0.5)  # every client is streaming
+    assert streaming.wait(WAIT_S)
     ray.kill(_replica_actor(victim), no_restart=True)
     killed.set()
     unpinned = [complete(served.http, f"after {i}", 4) for i in range(4)]
@@ -227,12 +231,12 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_hangs(served):
             assert r["text"] == want[prompts[i]], r
         elif pin == survivor:
             pytest.fail(f"a stream on the surviving replica did not finish: {r}")
-        elif r["status"] == 404:  # sent after the kill, pinned to the dead replica
+        elif r["status"] == 404:  # reached the ingress after the kill, pinned to the dead one
             assert r["replica"] == survivor
         else:  # cut by the kill: said so, never a silent short answer
             assert r["errors"] or r["status"] >= 500, r
             cut += 1
-    assert cut >= 1  # the kill hit streams under way
+    assert cut >= 1  # the kill hit streams under way or waiting on the victim
     for i, r in enumerate(unpinned):  # sent again to the survivor, or refused with a 5xx
         assert (r.status_code == 200 and r.json()["choices"][0]["text"]
                 == served.solo_text(f"after {i}", 4)) or r.status_code >= 500
