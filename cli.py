@@ -403,7 +403,7 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
     m = read_manifest(found.artifact_dir)[0]
     if not m.batch_buckets:
         raise ConfigError("--n needs an artifact with batch buckets: build it with "
-                          "--batch-buckets (the CPU's default is 2,4,8,16,32)")
+                          "--batch-buckets (the default is 2,4,8,16,32)")
     with BatchEngine.load(found.artifact_dir, found.weights_dir,
                           num_blocks=m.max_blocks_cap * n) as batch:
         found.remember()
@@ -476,7 +476,7 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
     check_bind(host, api_key, allow_remote)  # before any compile
     if opts["batch_buckets"] == ():
         raise ConfigError("paged-serve needs batch buckets: leave --batch-buckets out (the "
-                          "CPU's default is 2,4,8,16,32) or name some")
+                          "default is 2,4,8,16,32) or name some")
     template = None if chat_template is None else read_chat_template(chat_template)
     origins = None if allowed_origins is None else [
         o.strip() for o in allowed_origins.split(",") if o.strip()]
@@ -525,7 +525,7 @@ def _serve_engine(opts, **engine_opts):
     found.say_where(_progress)
     if not read_manifest(found.artifact_dir)[0].batch_buckets:
         raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "
-                          "--batch-buckets (the CPU's default is 2,4,8,16,32)")
+                          "--batch-buckets (the default is 2,4,8,16,32)")
     engine = load_engine(found.artifact_dir, found.weights_dir, **engine_opts)
     found.remember()
     return engine

@@ -74,7 +74,8 @@ def _rebuild_command(manifest: dict | None, path: Path, host: bool = False) -> s
         opts["weight_dtype"] = weight_policy(source["weight_dtype"], source.get("weight_formats"),
                                              name)
     buckets = source.get("batch_buckets")
-    default = list(DEFAULT_BATCH_BUCKETS) if opts.get("target", "").startswith("llvm") else []
+    # every target's kernel set batches but WebGPU's (compile/api.py default_buckets)
+    default = [] if opts.get("target", "").startswith("webgpu") else list(DEFAULT_BATCH_BUCKETS)
     extra = (f" --batch-buckets {buckets_arg(buckets)}"
              if isinstance(buckets, list) and buckets != default else "")
     return f"{compile_command(name, opts, path.parent)}{extra}"
