@@ -455,11 +455,16 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
               help="seconds running requests get to finish after SIGTERM")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--ray-replicas", default=None, type=click.IntRange(min=1),
+              help="serve N replicas under Ray Serve (the `ray` extra), prefix-affinity routed")
+@click.option("--ray-address", default=None,
+              help="with --ray-replicas: the Ray cluster to join ('auto', or host:port); "
+              "default: a local Ray on 127.0.0.1")
 @_version
 @_clean_errors
 def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_origins,
               tool_call_parser, chat_template, max_running, max_waiting, prefill_budget,
-              kv_cache_gb, shutdown_timeout, log_level, **opts):
+              kv_cache_gb, shutdown_timeout, log_level, ray_replicas, ray_address, **opts):
     """Serve the model over HTTP with the OpenAI API (completions, chat, streaming).
 
     The port is bound at once: /health answers 503 {"status": "loading"} until the model is
@@ -485,6 +490,14 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
                           "comma-separated origins such as http://localhost:3000, or '*'")
     if any(not n.strip() for n in served_model_name):
         raise ConfigError("--served-model-name is empty; name the model id clients send")
+    if ray_address is not None and ray_replicas is None:
+        raise ConfigError("--ray-address needs --ray-replicas N (the replicas to start there)")
+    if ray_replicas is not None:
+        return _serve_ray(opts, host, port, ray_replicas, ray_address, dict(
+            model_name=tuple(served_model_name), kv_cache_gb=kv_cache_gb,
+            max_running=max_running, max_waiting=max_waiting, prefill_budget=prefill_budget,
+            chat_template=template, api_key=api_key, tool_parser=tool_call_parser,
+            allowed_origins=None if origins is None else tuple(origins)))
     engines = []
 
     def load():
@@ -505,11 +518,14 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
                   f"{engine.scheduler.max_running} running at most), ready after "
                   f"{time.perf_counter() - t0:.2f} s")
 
+    def bound(bound_port):
+        _progress(f"listening on http://{host}:{bound_port} (/health answers 503 until the "
+                  "model is loaded)")
+
     t0 = time.perf_counter()
-    _progress(f"listening on http://{host}:{port} (/health answers 503 until the model is loaded)")
     try:
         serve_while_loading(load, host, port, shutdown_timeout=shutdown_timeout,
-                            log_level=log_level, on_ready=ready)
+                            log_level=log_level, on_ready=ready, on_bound=bound)
     finally:
         for engine in engines:
             engine.close()
@@ -529,6 +545,30 @@ def _serve_engine(opts, **engine_opts):
     engine = load_engine(found.artifact_dir, found.weights_dir, **engine_opts)
     found.remember()
     return engine
+
+
+def _serve_ray(opts, host, port, replicas, address, fields) -> None:
+    """paged-serve --ray-replicas: the artifact located (or built) here, once; the replicas
+    load it under Ray Serve until SIGINT / SIGTERM."""
+    from paged_decode.runtime.artifact import read_manifest
+    from paged_decode.runtime.errors import ConfigError
+
+    try:
+        from paged_decode.serve.ray_deployment import RayServeConfig, serve_with_ray
+    except ImportError as e:
+        raise ConfigError(f"--ray-replicas needs Ray Serve ({e}): pip install "
+                          "'paged-decode[ray]'") from e
+    found = _locate(opts)
+    found.say_where(_progress)
+    manifest = read_manifest(found.artifact_dir)[0]
+    if not manifest.batch_buckets:
+        raise ConfigError("paged-serve needs an artifact with batch buckets: build it with "
+                          "--batch-buckets (the default is 2,4,8,16,32)")
+    found.remember()
+    fields["model_name"] = fields["model_name"] or manifest.name
+    _progress(f"{replicas} replicas under Ray Serve on http://{host}:{port}/v1")
+    serve_with_ray(RayServeConfig(str(found.artifact_dir), str(found.weights_dir),
+                                  replicas=replicas, **fields), host, port, address=address)
 
 
 @click.command("paged-cache")

@@ -211,16 +211,18 @@ class LoadingApp:
 
 
 def serve_while_loading(load, host: str, port: int, *, shutdown_timeout: float,
-                        log_level: str = "info", on_ready=None) -> None:
+                        log_level: str = "info", on_ready=None, on_bound=None) -> None:
     """Bind ``host:port`` now, answer "loading" (:class:`LoadingApp`) while ``load()`` builds
     the app on a thread of its own, then serve it until SIGINT / SIGTERM (as
-    :func:`run_server`).  ``on_ready(app, port)`` runs once the app serves.  An error of
-    ``load()`` stops the server and is raised here."""
+    :func:`run_server`).  ``on_bound(port)`` runs once the port is bound, ``on_ready(app,
+    port)`` once the app serves.  An error of ``load()`` stops the server and is raised here."""
     import threading
 
     import uvicorn
 
     sock = bind_socket(host, port)
+    if on_bound is not None:
+        on_bound(sock.getsockname()[1])
     loading = LoadingApp()
     config = uvicorn.Config(loading, log_level=log_level, lifespan="on")
     server = draining_server(config, lambda: loading.app and loading.app.state.server.abort_all(),

@@ -26,6 +26,7 @@ import secrets
 import string
 
 from paged_decode.runtime.errors import GrammarError, InputError
+from paged_decode.runtime.grammar import GrammarUnavailableError
 from paged_decode.runtime.tokenizer import check_chat_template, check_text
 
 from .protocol import APIError
@@ -64,6 +65,11 @@ class ToolPlan:
     def split(self, text: str) -> tuple[str | None, list[dict]]:
         """A whole reply as (content or None, OpenAI tool calls)."""
         content, calls = self.family.parse(text)
+        opening = self.family.open
+        if calls and opening and opening in content:
+            # a call cut short by max_tokens: the grammar keeps the opening out of free text,
+            # so from it on is an unfinished call, not content
+            content = content[:content.index(opening)]
         if any(name not in self.allowed for name, _ in calls):
             return text.strip() or None, []
         if not self.parallel:
@@ -96,6 +102,10 @@ class ToolPlan:
             return engine.grammars._matcher(grammar, "the tools' schemas")
         try:
             return await asyncio.to_thread(build)
+        except GrammarUnavailableError as e:  # this tokenizer, not the request
+            param = "tool_choice" if self.required else "tools"
+            raise APIError(400, f"{param}: tool calls are constrained by a grammar, and {e}",
+                           param) from e
         except (GrammarError, ValueError) as e:
             raise APIError(400, f"tools: a function's parameters are not a usable JSON schema "
                            f"({e})", "tools") from e

@@ -123,6 +123,7 @@ def test_tool_calls_name_the_reason_too(wordpiece):
     with pytest.raises(APIError) as err:
         asyncio.run(plan.constraint(wordpiece.engine))
     assert err.value.status == 400 and "not available" in err.value.message
+    assert err.value.param == "tool_choice" and "parameters" not in err.value.message
 
 
 def test_paged_serve_says_so_in_its_start_up_log_and_models(wordpiece, artifact_root):

@@ -259,6 +259,15 @@ def test_required_allows_calls_only(family):
         _validate(calls)
 
 
+def test_a_call_cut_short_is_not_content():
+    """max_tokens in the middle of a second call: the first call stands, the unfinished one is
+    dropped, not returned as text."""
+    plan = tool_plan(_request(tools=TOOLS), _tokenizer(), parser="hermes")
+    whole = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    content, calls = plan.split(f'Checking. {whole}\n<tool_call>\n{{"name": "get_weather", "ar')
+    assert content.strip() == "Checking." and [c["function"]["name"] for c in calls] == ["get_time"]
+
+
 def test_auto_text_never_spells_out_the_opening():
     tok = _tokenizer()
     constraint = _constraint(tool_plan(_request(tools=TOOLS), tok), tok)
