@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from paged_decode.cli import bench_cmd, cache_cmd, compile_cmd, run_cmd
+from paged_decode.cli import bench_cmd, cache_cmd, compile_cmd, run_cmd, serve_cmd
 
 
 @pytest.fixture
@@ -233,9 +233,15 @@ def test_readme_batching_example_runs(artifact_root, monkeypatch, capsys):
 def test_weight_format_choices_are_the_registrys():
     """Every command that builds offers exactly the weight policies the build side knows (a
     format added to the registry appears in the CLI, one removed disappears)."""
-    from paged_decode.cli import serve_cmd
     from paged_decode.compile.weights import WEIGHT_POLICIES
 
     for cmd in (compile_cmd, run_cmd, serve_cmd):
         (opt,) = [p for p in cmd.params if p.name == "weight_dtype"]
         assert list(opt.type.choices) == list(WEIGHT_POLICIES), cmd.name
+
+
+def test_ray_address_without_replicas_is_refused_before_building(runner, tmp_path):
+    result = runner.invoke(serve_cmd, ["--model", "tiny", "--ray-address", "auto",
+                                       "--artifacts", str(tmp_path / "a")])
+    assert result.exit_code == 1 and "--ray-address needs --ray-replicas" in result.output
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
