@@ -245,3 +245,18 @@ def test_ray_address_without_replicas_is_refused_before_building(runner, tmp_pat
                                        "--artifacts", str(tmp_path / "a")])
     assert result.exit_code == 1 and "--ray-address needs --ray-replicas" in result.output
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+@pytest.mark.parametrize("cmd, args", [
+    (serve_cmd, ["--kv-cache-gb", "nan"]), (serve_cmd, ["--kv-cache-gb", "inf"]),
+    (serve_cmd, ["--shutdown-timeout", "nan"]), (compile_cmd, ["--lock-timeout", "inf"]),
+    (run_cmd, ["--temperature", "nan", "--prompt", "x"]),
+    (compile_cmd, ["--max-context", "100000000000"]), (run_cmd, ["--max-blocks-cap", "0"]),
+])
+def test_non_finite_and_unaddressable_options_are_usage_errors(runner, tmp_path, cmd, args):
+    """NaN passes every comparison and 1e11 tokens no int32 position holds: refused while
+    parsing, before a compile could start."""
+    result = runner.invoke(cmd, ["--model", "tiny", "--artifacts", str(tmp_path / "a"), *args])
+    assert result.exit_code == 2 and args[1] in result.output, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
