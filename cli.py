@@ -633,17 +633,32 @@ def cache_cmd(artifacts, clear, yes):
 @click.option("--block-size", default=None, type=int,
               help="KV-cache block size of the artifacts measured (default: the CPU's, 64)")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
+@click.option("--ray-replicas", default=None, type=click.IntRange(min=1),
+              help="with --section serve: N paged-serve replicas under Ray Serve (the ray "
+              "extra) beside one server: 1-token latency through Ray's proxy, tokens/s and "
+              "latency at 16 / 32 clients, a multi-turn chat trace per router (ray.json / ray.md)")
 @_version
 @_clean_errors
-def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifacts):
+def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifacts, ray_replicas):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.bench.run import run_bench
+    from paged_decode.runtime.errors import ConfigError
 
+    if ray_replicas is not None and "serve" not in sections:
+        raise ConfigError("--ray-replicas measures serving: add --section serve")
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
                        dtypes=tuple(dtypes), rounds=rounds, block_size=block_size,
                        sections=tuple(dict.fromkeys(sections)), progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
+    if ray_replicas is not None:
+        from paged_decode.bench.serve_ray import run_ray_serving
+
+        model = None if models[0] == "default" else models[0]
+        ray = run_ray_serving(model, Path(out) / "ray", replicas=ray_replicas,
+                              rounds=rounds or (1 if quick else 2), say=_progress)
+        click.echo(ray["markdown"])
+        click.echo(f"wrote {Path(out) / 'ray' / 'ray.json'}, {Path(out) / 'ray' / 'ray.md'}")
 
 
 @click.group()

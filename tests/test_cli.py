@@ -260,3 +260,9 @@ def test_non_finite_and_unaddressable_options_are_usage_errors(runner, tmp_path,
     assert result.exit_code == 2 and args[1] in result.output, result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+def test_bench_ray_replicas_needs_the_serve_section(runner, tmp_path):
+    result = runner.invoke(bench_cmd, ["--ray-replicas", "2", "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "--section serve" in result.output
+    assert not (tmp_path / "o").exists()
