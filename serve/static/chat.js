@@ -46,17 +46,30 @@ class Reply {
   constructor(div) {
     this.div = div; this.text = ""; this.start = performance.now();
     this.first = null; this.last = null; this.pieces = 0; this.tokens = null; this.finish = null;
+    this.error = null;
+  }
+  failed(message) {
+    this.error = message;
+    this.div.classList.add("error");
+    this.div.textContent = this.text + (this.text ? "\n" : "") + "error: " + message;
+  }
+  // "error", the server's finish_reason, or "stopped" (the stop button ended the stream)
+  outcome() {
+    if (this.error !== null) return "error";
+    return this.finish === null ? "stopped" : this.finish;
   }
   event(data) {
     const chunk = JSON.parse(data);
     if (chunk.error) throw new Error(chunk.error.message);
     if (chunk.usage) this.tokens = chunk.usage.completion_tokens;
+    const now = performance.now();
     for (const choice of chunk.choices || []) {
       const piece = (choice.delta && choice.delta.content) || "";
+      // a last token that shows no text (end of sequence) still ends the decoding time
+      if (this.first !== null) this.last = now;
       if (piece) {
-        const now = performance.now();
-        if (this.first === null) this.first = now;
-        this.last = now; this.pieces += 1; this.text += piece;
+        if (this.first === null) this.first = this.last = now;
+        this.pieces += 1; this.text += piece;
         this.div.textContent = this.text;
         this.div.scrollIntoView({block: "end"});
       }
@@ -64,14 +77,18 @@ class Reply {
     }
   }
   stats() {
+    // the server's usage count when the stream got to its end; a stopped stream has only
+    // the text deltas it carried, about one a token
     const tokens = this.tokens !== null ? this.tokens : this.pieces;
-    const parts = [`${tokens} tokens`];
+    const approx = this.tokens !== null ? "" : "~";
+    const parts = [`${approx}${tokens} token${tokens === 1 ? "" : "s"}`];
     if (this.first !== null) {
       parts.push(`time to first token ${(this.first - this.start).toFixed(0)} ms`);
       const span = (this.last - this.first) / 1000;
       if (tokens > 1 && span > 0) parts.push(`${((tokens - 1) / span).toFixed(1)} tokens/s`);
     }
-    parts.push(this.finish === null ? "stopped" : `finish: ${this.finish}`);
+    const outcome = this.outcome();
+    parts.push(outcome === "error" || outcome === "stopped" ? outcome : `finish: ${outcome}`);
     return parts.join(" · ");
   }
 }
@@ -116,20 +133,19 @@ async function send(text) {
     }
     await readEvents(response, reply);
   } catch (e) {
-    if (e.name !== "AbortError") {
-      reply.div.classList.add("error");
-      reply.div.textContent = reply.text + (reply.text ? "\n" : "") + "error: " + e.message;
-    }
+    if (e.name !== "AbortError") reply.failed(e.message);
   } finally {
     controller = null;
     busy(false);
   }
-  history.push({role: "assistant", content: reply.text});
+  // a failed turn leaves the conversation as it was, so the next message can still be sent
+  if (reply.error === null) history.push({role: "assistant", content: reply.text});
+  else history.pop();
   const stats = document.createElement("div");
   stats.className = "stats";
   stats.textContent = reply.stats();
   reply.div.after(stats);
-  reply.div.dataset.finish = reply.finish === null ? "stopped" : reply.finish;
+  reply.div.dataset.finish = reply.outcome();
 }
 
 $("form").addEventListener("submit", (event) => {
