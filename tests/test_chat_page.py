@@ -222,3 +222,34 @@ def test_the_chat_page_streams_a_reply_and_stop_ends_the_request(tiny, browser, 
                           ".map(e => e.name))")
     assert loaded and all(url.startswith(tiny.live.url + "/") for url in loaded), loaded
     browser.screenshot(tmp_path / "chat_page.png")
+
+
+def test_the_chat_page_sends_its_system_prompt_and_sampling_settings(tiny, browser,
+                                                                     monkeypatch):
+    calls: list = []
+    real = tiny.engine.submit_n
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.engine, "submit_n", recording)
+    browser.open(tiny.live.url + "/")
+    settings = {"system": "brief", "temperature": "0.5", "top_p": "0.9", "top_k": "5",
+                "max_tokens": "6", "seed": "7"}
+    for element_id, value in settings.items():
+        browser.set_value(element_id, value)
+    browser.type_into("prompt", PROMPT)
+    browser.press_enter()
+    browser.wait_for(f"{LAST_REPLY} && {LAST_REPLY}.dataset.finish", "a finished reply")
+    assert browser.eval(f"{LAST_REPLY}.dataset.finish") in ("length", "stop")
+
+    tok = tiny.engine.tokenizer
+    messages = [{"role": "system", "content": "brief"}, {"role": "user", "content": PROMPT}]
+    (args, kwargs), = calls
+    assert list(args[0]) == tok.encode(tok.apply_chat_template(messages), add_bos=False)
+    assert kwargs["max_new_tokens"] == 6
+    sampling = kwargs["sampling"]
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed) == \
+        (0.5, 0.9, 5, 7)
+    assert tiny.all_free()
