@@ -157,7 +157,8 @@ $("form").addEventListener("submit", (event) => {
 });
 
 $("prompt").addEventListener("keydown", (event) => {
-  if (event.key === "Enter" && !event.shiftKey) {
+  // Enter that ends an input method's composition (CJK) belongs to the composition
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
     event.preventDefault();
     $("form").requestSubmit();
   }
