@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -143,6 +144,21 @@ def markdown(latency: dict, result: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
+def _has_chat_template(server: Server) -> bool:
+    """Whether ``server`` answers chat requests (a model without a chat template is a 400)."""
+    body = json.dumps({"model": server.model, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code == 400 and b"chat template" in e.read():
+            return False
+        raise
+
+
 def run_ray_serving(model: str | None, out: Path, *, replicas: int = 2,
                     concurrencies=(16, 32), max_tokens: int = 32, per_client: int = 2,
                     rounds: int = 2, max_context: int = 512, conversations: int = 8,
@@ -157,6 +173,9 @@ def run_ray_serving(model: str | None, out: Path, *, replicas: int = 2,
         latency = one_token_latency(servers)
         say(f"1-token completion ms: {latency}")
         result = measure(servers, concurrencies, per_client, max_tokens, rounds, say=say)
+        if conversations and not _has_chat_template(servers[0]):
+            say("multi-turn chats skipped: the model has no chat template")
+            conversations = 0
         chats = {servers[1].name: chat_trace(servers[1], conversations)} if conversations else {}
         if conversations:  # the same trace under Ray's default router, on fresh replicas
             servers[1].stop()
