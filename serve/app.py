@@ -271,9 +271,9 @@ class _Server:
         if asked is None:
             return room
         if asked > room:
-            raise APIError(400, f"{field}: {asked} tokens after a {len(prompt)}-token "
-                           f"{where} exceed what fits, {holder} tokens; at most {room} fit",
-                           field)
+            raise APIError(400, f"{field}: {asked} new tokens after a prompt of {len(prompt)} "
+                           f"tokens do not fit: {holder} tokens (the last new token takes no "
+                           f"KV slot), so at most {room}; lower {field}", field)
         return asked
 
     def _submit(self, job: dict, queue: asyncio.Queue) -> list:

@@ -66,10 +66,12 @@ class ToolPlan:
         """A whole reply as (content or None, OpenAI tool calls)."""
         content, calls = self.family.parse(text)
         opening = self.family.open
-        if calls and opening and opening in content:
+        if opening and opening in content:
             # a call cut short by max_tokens: the grammar keeps the opening out of free text,
             # so from it on is an unfinished call, not content
             content = content[:content.index(opening)]
+        elif self.required and not calls:  # calls only, and none finished
+            content = ""
         if any(name not in self.allowed for name, _ in calls):
             return text.strip() or None, []
         if not self.parallel:
@@ -150,8 +152,8 @@ class CallStream:
         if not self.in_calls:
             return self.held, []
         content, calls = self.plan.split(self.held)
-        if not calls:
-            return self.held, []
+        # what is held starts at a call's opening: without a finished call it is an unfinished
+        # one (max_tokens), not text
         return ("" if content is None else content), calls
 
 

@@ -268,6 +268,20 @@ def test_a_call_cut_short_is_not_content():
     assert content.strip() == "Checking." and [c["function"]["name"] for c in calls] == ["get_time"]
 
 
+@pytest.mark.parametrize("choice", [None, "required"])
+def test_a_lone_call_cut_short_is_neither_content_nor_a_call(choice):
+    """max_tokens before the first call finished: no markup reaches the client, whole or
+    streamed (finish_reason says length)."""
+    plan = tool_plan(_request(tools=TOOLS, tool_choice=choice), _tokenizer(), parser="hermes")
+    cut = 'Checking. <tool_call>\n{"name' if choice is None else '<tool_call>\n{"name'
+    content, calls = plan.split(cut)
+    assert calls == [] and (content or "").strip() == ("Checking." if choice is None else "")
+    stream = plan.stream()
+    sent = stream.push(cut)
+    rest, calls = stream.finish()
+    assert calls == [] and "<tool_call>" not in sent + rest
+
+
 def test_auto_text_never_spells_out_the_opening():
     tok = _tokenizer()
     constraint = _constraint(tool_plan(_request(tools=TOOLS), tok), tok)
