@@ -603,6 +603,24 @@ def cache_cmd(artifacts, clear, yes):
     click.echo(f"cleared {len(entries)} artifacts and {len(packs)} weight packs in {root}")
 
 
+class _IntList(click.ParamType):
+    """A comma-separated list of positive integers (``16,1024,4096``)."""
+
+    name = "N,N,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            out = tuple(int(v) for v in str(value).split(","))
+        except ValueError:
+            out = ()
+        if not out or min(out) < 1:
+            self.fail(f"{value!r}: give positive integers separated by commas, e.g. 16,1024",
+                      param, ctx)
+        return out
+
+
 @click.command("paged-bench")
 @click.option("--model", "models", multiple=True, default=["tiny"], show_default=True,
               help="presets / model paths to measure (repeatable)")
@@ -632,6 +650,12 @@ def cache_cmd(artifacts, clear, yes):
                    "[default: decode 4, batch 3; --quick 2 / 1]")
 @click.option("--block-size", default=None, type=int,
               help="KV-cache block size of the artifacts measured (default: the CPU's, 64)")
+@click.option("--contexts", default=None, type=_IntList(),
+              help="decode section: context lengths to decode at, e.g. 16,1024,4096 "
+                   "[default: 16,256,1024; --quick 16,64]")
+@click.option("--prefill", "prompts", default=None, type=_IntList(),
+              help="decode section: prompt lengths whose prefill is timed, e.g. 512 "
+                   "[default: 128,512; --quick 16,32]")
 @click.option("--artifacts", default=None, envvar="PAGED_DECODE_ARTIFACTS")
 @click.option("--ray-replicas", default=None, type=click.IntRange(min=1),
               help="with --section serve: N paged-serve replicas under Ray Serve (the ray "
@@ -639,7 +663,8 @@ def cache_cmd(artifacts, clear, yes):
               "latency at 16 / 32 clients, a multi-turn chat trace per router (ray.json / ray.md)")
 @_version
 @_clean_errors
-def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifacts, ray_replicas):
+def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, contexts, prompts,
+              artifacts, ray_replicas):
     """Measure decode/prefill speed against the bandwidth floor and baselines."""
     from paged_decode.bench.run import run_bench
     from paged_decode.runtime.errors import ConfigError
@@ -648,7 +673,7 @@ def bench_cmd(models, out, dtypes, sections, quick, rounds, block_size, artifact
         raise ConfigError("--ray-replicas measures serving: add --section serve")
     result = run_bench(list(models), Path(out), quick=quick, artifacts=artifacts,
                        dtypes=tuple(dtypes), rounds=rounds, block_size=block_size,
-                       sections=tuple(dict.fromkeys(sections)), progress=_progress)
+                       contexts=contexts, prompts=prompts, sections=tuple(dict.fromkeys(sections)), progress=_progress)
     click.echo(result["markdown"])
     click.echo(f"wrote {result['json']}, {result['md']}, {result['png']}")
     if ray_replicas is not None:

@@ -615,10 +615,12 @@ def _run_start(model, source, cfg, rounds, artifacts, say) -> dict:
 def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifacts=None,
               dtypes=("float32", "float16"), rounds: int | None = None,
               block_size: int | None = None, sections=("decode",),
+              contexts: tuple[int, ...] | None = None, prompts: tuple[int, ...] | None = None,
               progress: Callable[[str], None] | None = None) -> dict:
     """Run the ``sections`` ("decode": B = 1 decode and prefill; "batch": batched steps,
     ``batch.run_batch``; "serve": paged-serve under load, ``serve.run_serving``) for each model
-    x dtype; write bench.json, bench.md, bench.png."""
+    x dtype; write bench.json, bench.md, bench.png.  ``contexts`` / ``prompts`` replace the
+    decode section's context lengths and timed prefill lengths."""
     say = progress or (lambda _m: None)
     unknown = set(sections) - set(SECTIONS)
     if unknown or not sections:
@@ -627,6 +629,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                batch=dict(batch.QUICK if quick else batch.FULL))
     if rounds is not None:
         cfg["rounds"] = cfg["batch"]["rounds"] = rounds
+    cfg.update({k: tuple(v) for k, v in (("contexts", contexts), ("prompts", prompts)) if v})
     # resolved (and an HF or GGUF model's weights hashed) once: an unknown model fails before
     # anything is written or measured
     sources = {model: resolve_model(None if model == "default" else model) for model in models}

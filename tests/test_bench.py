@@ -252,6 +252,26 @@ def test_each_model_is_resolved_once_and_passed_through(monkeypatch, tmp_path):
     assert bench.resolve_model(seen[0][1]) is seen[0][1]  # a resolved source is kept as it is
 
 
+def test_contexts_and_prefill_lengths_replace_the_defaults(monkeypatch, tmp_path):
+    seen, passed = [], []
+    real = bench.run_bench
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **kw: passed.append(kw) or real(*a, **kw))
+    monkeypatch.setattr(bench, "_run_one", lambda model, source, dtype, cfg, *a: seen.append(
+        cfg) or {})
+    monkeypatch.setattr(bench_report, "write_outputs", lambda report, out: dict(
+        markdown="", json="j", md="m", png="p"))
+    result = CliRunner().invoke(bench_cmd, ["--model", "tiny", "--dtype", "float32",
+                                            "--contexts", "16,1024,4096", "--prefill", "512",
+                                            "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert passed[0]["contexts"] == (16, 1024, 4096) and passed[0]["prompts"] == (512,)
+    (cfg,) = seen
+    assert cfg["contexts"] == (16, 1024, 4096) and cfg["prompts"] == (512,)
+    assert bench._max_context(cfg) >= 4096 + cfg["n_tokens"]
+    bad = CliRunner().invoke(bench_cmd, ["--contexts", "16,0", "--out", str(tmp_path)])
+    assert bad.exit_code == 2 and "positive integers" in bad.output
+
+
 def test_hf_batched_runs_once_per_model_and_is_shared_by_its_dtypes(monkeypatch, tmp_path):
     """HF generate runs float32 whatever the dtype: the batch section measures it for a model's
     first dtype and hands that result to the others."""
