@@ -11,7 +11,9 @@ loader and the quantizer look formats up here by name; adding a format is adding
 Quantized formats keep GGUF's block layout byte for byte: each matrix row is its blocks laid
 end to end.  The 32-weight formats: float16 scale(s) then packed quants (``Q8_0``: d, 32 int8;
 ``Q4_0``: d, 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31, stored plus 8;
-``Q4_1``: d, m, the same nibbles, w = d q + m).  The k-quants' 256-weight super-blocks:
+``Q4_1``: d, m, the same nibbles, w = d q + m; ``Q5_0``: d, 4 bytes of fifth bits (bit j:
+weight j's bit 4), Q4_0's nibbles, w = d (q - 16); ``Q5_1``: d, m, the fifth bits, the nibbles,
+w = d q + m).  The k-quants' 256-weight super-blocks:
 ``Q4_K`` (144 B): d, dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of nibbles
 (each 32 bytes: sub-block 2j in the low nibbles, 2j + 1 in the high); w = d sc q - dmin m.
 ``Q5_K`` (176 B): the same with 32 bytes of fifth bits (bit s of byte l: weight l of sub-block
@@ -20,10 +22,11 @@ s).  ``Q6_K`` (210 B): 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen
 into the pack as it is, and rows of q / k / v (or gate / up) are joined as whole rows, which a
 row-block layout allows.
 
-On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K take the
-same blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``, ``q4_kx8``, ``q5_kx8``,
-``q6_kx8``; ``_Rows8``, ``_KRows8``, ``_Q6KRows8``): a lossless regrouping made when the pack is
-written, which the CPU kernels read 8 rows per vector.
+On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K /
+Q6_K take the same blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``,
+``q5_0x8``, ``q5_1x8``, ``q4_kx8``, ``q5_kx8``, ``q6_kx8``; ``_Rows8``, ``_Q5Rows8``,
+``_KRows8``, ``_Q6KRows8``): a lossless regrouping made when the pack is written, which the CPU
+kernels read 8 rows per vector.
 
 The kernels work in 32-weight units (``QBLOCK``) for every format: unit ``b`` of a k-quant row
 is sub-block ``b % 8`` of super-block ``b // 8``, its scale (and min) decoded from the 6-bit
@@ -367,6 +370,121 @@ class _Q4_1(WeightFormat):
 
     def quant(self, W8, c, b, j):
         return _nibble_scalar(W8, c, b * 20 + 4, j)
+
+
+def _fifth_bits(h, lanes: int):
+    """uint8 x ``4 lanes``: byte i is 16 where bit i of the uint32 ``h`` is set, else 0 (the
+    fifth bits of Q5_0 / Q5_1 quants 0..4 lanes - 1).  Lane L of ``h`` broadcast and shifted
+    by 4 L keeps its weights' four bits low; times 0x02040810 puts bit i at bit 8 i + 4 of the
+    lane (the four shifted copies do not overlap, so the product carries nothing)."""
+    t = T.shift_right(T.broadcast(h, lanes), T.ramp(T.uint32(0), T.uint32(4), lanes))
+    spread = T.bitwise_and(t, T.broadcast(T.uint32(15), lanes)) * T.broadcast(
+        T.uint32(0x02040810), lanes)
+    return T.reinterpret(f"uint8x{4 * lanes}",
+                         T.bitwise_and(spread, T.broadcast(T.uint32(0x10101010), lanes)))
+
+
+def _u32_at(W8, c, byte):
+    """uint32 of the 4 little-endian bytes at ``byte`` of row ``c`` (a 2-byte aligned field)."""
+    def part(i):
+        return T.shift_left(T.Cast("uint32", W8[c, byte + i]), T.uint32(8 * i))
+    return T.bitwise_or(T.bitwise_or(part(0), part(1)), T.bitwise_or(part(2), part(3)))
+
+
+class _Q5(WeightFormat):
+    """Q5_0 / Q5_1: 32-weight blocks of float16 field(s) (Q5_0: d; Q5_1: d, m), 4 bytes of
+    fifth bits (bit j: weight j's bit 4) and 16 bytes of nibbles (low: weights 0-15, high:
+    16-31).  Q5_0: d = (the signed w of largest magnitude) / -16, q = trunc(w / d + 16.5)
+    clipped to 0..31, w = d (q - 16); Q5_1: d = (max - min) / 31, m = min, q = trunc((w - m) /
+    d + 0.5) clipped to 0..31, w = d q + m (ggml's reference quantizers, as ``gguf`` runs
+    them)."""
+
+    has_offset = True
+    fields = 1  # float16 fields before the fifth bits
+
+    @property
+    def _qh(self) -> int:
+        return 2 * self.fields
+
+    @property
+    def _qs(self) -> int:
+        return 2 * self.fields + 4
+
+    def _pack(self, q, fields):
+        qh = np.packbits(q >> np.uint8(4), axis=1, bitorder="little")
+        return np.concatenate([*fields, qh, _pack_nibbles(q & np.uint8(15))], axis=1)
+
+    def _quants(self, blocks):
+        """(n, 32) uint8 quants 0..31 of (n, block_bytes) blocks."""
+        fifth = np.unpackbits(blocks[:, self._qh:self._qs], axis=1, bitorder="little")
+        return _nibbles(blocks[:, self._qs:]) | (fifth << np.uint8(4))
+
+    def _fifth(self, Wv, c, b, lanes: int, first: int = 0):
+        return _fifth_bits(T.shift_right(_u32_at(Wv[0], c, b * self.block_bytes + self._qh),
+                                         T.uint32(first)), lanes)
+
+    def _quants32(self, Wv, c, b):
+        q = _u8x16(Wv, c, b * self.block_bytes + self._qs)
+        both = _cat(T.bitwise_and(q, T.broadcast(T.uint8(15), 16)),
+                    T.shift_right(q, T.broadcast(T.uint8(4), 16)))
+        return T.bitwise_or(both, self._fifth(Wv, c, b, 8))
+
+    def _quants16(self, Wv, c, b, half: int):
+        return T.bitwise_or(_nibbles_u8(_u8x16(Wv, c, b * self.block_bytes + self._qs), half),
+                            self._fifth(Wv, c, b, 4, 16 * half))
+
+    def int_dot(self, Wv, c, b, xq, x0):
+        # pair sums reach 2 * 31 * 128 < 2^15: no pmaddubsw saturation
+        return _pairs_to_i32x8(_maddubs32(self._quants32(Wv, c, b), xq.vload([x0], "int8x32")))
+
+    def wide16(self, Wv, c, b, half):
+        return T.Cast("int16x16", self._quants16(Wv, c, b, half))
+
+    def dequant16(self, Wv, c, b, half):
+        q = T.Cast("float32x16", self._quants16(Wv, c, b, half))
+        return q * T.broadcast(self.scale(Wv, c, b), 16) + T.broadcast(self.offset(Wv, c, b), 16)
+
+    def quant(self, W8, c, b, j):
+        at = b * self.block_bytes
+        fifth = T.bitwise_and(T.shift_right(_byte(W8, c, at + self._qh + j // 8), j % 8), 1)
+        return T.bitwise_or(_nibble_scalar(W8, c, at + self._qs, j), T.shift_left(fifth, 4))
+
+
+class _Q5_0(_Q5):
+    def _quantize_blocks(self, blocks):
+        big = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+        d = big / np.float32(-16)
+        q = np.trunc(blocks * _inverse(d) + np.float32(16.5)).astype(np.uint8).clip(0, 31)
+        return self._pack(q, [_f16_bytes(d)])
+
+    def _dequantize_blocks(self, blocks):
+        q = self._quants(blocks).astype(np.int8) - np.int8(16)
+        return _f16_at(blocks, 0) * q.astype(np.float32)
+
+    def offset(self, Wv, c, b):
+        return self.scale(Wv, c, b) * T.float32(-16)
+
+    def unit_offset(self, W8, c, b):
+        return self.unit_scale(W8, c, b, 0) * T.float32(-16)
+
+
+class _Q5_1(_Q5):
+    fields = 2
+
+    def _quantize_blocks(self, blocks):
+        lo, hi = blocks.min(axis=1, keepdims=True), blocks.max(axis=1, keepdims=True)
+        d = (hi - lo) / np.float32(31)
+        q = np.trunc((blocks - lo) * _inverse(d) + np.float32(0.5)).astype(np.uint8).clip(0, 31)
+        return self._pack(q, [_f16_bytes(d), _f16_bytes(lo)])
+
+    def _dequantize_blocks(self, blocks):
+        return _f16_at(blocks, 0) * self._quants(blocks).astype(np.float32) + _f16_at(blocks, 2)
+
+    def offset(self, Wv, c, b):
+        return T.Cast("float32", Wv[2][c, b * 12 + 1])
+
+    def unit_offset(self, W8, c, b):
+        return _f16_scalar(W8, c, b * 24 + 2)
 
 
 # ------------------------------------------------------------------------------ k-quants
@@ -906,6 +1024,95 @@ class _Rows8(_Grouped):
         return w + T.broadcast(self.offset(Wv, c, b), 16)
 
 
+def _q5_spread_order() -> np.ndarray:
+    """For each bit of a ``_Q5Rows8`` row's 32 fifth bits (bit 8 i + j of its 4 bytes), the
+    weight it belongs to: bit j (j < 4) of byte i is weight 4 j + i's, bit 4 + j weight
+    16 + 4 j + i's, the weights of nibble chunk j that byte i of the chunk holds."""
+    i, j = np.arange(4).reshape(4, 1), np.arange(4).reshape(1, 4)
+    return np.concatenate([4 * j + i, 16 + 4 * j + i], axis=1).reshape(32)
+
+
+class _Q5Rows8(_Rows8):
+    """Q5_0 / Q5_1 with 8 rows interleaved (``q5_0x8``, ``q5_1x8``): ``_Rows8``'s layout of the
+    block's fields, then its 20 quant bytes in 4-byte chunks (chunk 0 the fifth bits, chunks
+    1-4 the nibbles), each row's fifth bits reordered (``_q5_spread_order``) so that nibble
+    chunk j's fifth bits are bits j (low nibbles) and 4 + j (high) of the fifth-bit chunk's
+    byte under each nibble byte: two shifts and masks per chunk put them at bit 4."""
+
+    @property
+    def fields(self) -> int:
+        return self.base.fields
+
+    def _reorder(self, packed, inverse: bool):
+        """Row-layout blocks with each block's fifth bits in the grouped (or, ``inverse``,
+        GGUF's) order."""
+        n, qh = packed.shape[0], self.base._qh
+        b = np.array(packed, dtype=np.uint8).reshape(n, -1, self.block_bytes)
+        bits = np.unpackbits(b[..., qh:qh + 4], axis=2, bitorder="little")
+        order = _q5_spread_order()
+        out = np.empty_like(bits)
+        if inverse:
+            out[..., order] = bits
+        else:
+            out = bits[..., order]
+        b[..., qh:qh + 4] = np.packbits(out, axis=2, bitorder="little")
+        return b.reshape(n, -1)
+
+    def group(self, packed):
+        return super().group(self._reorder(packed, False))
+
+    def ungroup(self, grouped):
+        return self._reorder(super().ungroup(grouped), True)
+
+    def group_dot(self, Wv, g, b, x32, x0, vnni: bool = False):
+        at = b * self.unit_bytes + 2 * self.fields * ROW_GROUP
+        e = Wv[0].vload([g, at], "uint8x32")
+        low, five = T.broadcast(T.uint8(15), 32), T.broadcast(T.uint8(16), 32)
+
+        def shifted(v, n):
+            return (T.shift_left(v, T.broadcast(T.uint8(n), 32)) if n > 0 else
+                    T.shift_right(v, T.broadcast(T.uint8(-n), 32)) if n < 0 else v)
+        pairs = []
+        for j in range(4):
+            p = Wv[0].vload([g, at + 32 * (j + 1)], "uint8x32")
+            pairs.append((T.bitwise_or(T.bitwise_and(p, low),
+                                       T.bitwise_and(shifted(e, 4 - j), five)),
+                          _x4(x32, x0 + j)))
+            pairs.append((T.bitwise_or(T.shift_right(p, T.broadcast(T.uint8(4), 32)),
+                                       T.bitwise_and(shifted(e, -j), five)),
+                          _x4(x32, x0 + 4 + j)))
+        if vnni:
+            return _dpbusd_chunks(pairs)
+        t = [_maddubs32(u, i) for u, i in pairs]
+        # 5-bit quants: 4 * 2 * 31 * 128 < 2^15, so four chunks at a time in int16
+        return (_pairs_to_i32x8((t[0] + t[1]) + (t[2] + t[3]))
+                + _pairs_to_i32x8((t[4] + t[5]) + (t[6] + t[7])))
+
+    def group_unit(self, Wv, g, b, dot, xd, xsum):
+        d = self._field8(Wv, g, b * self.unit_bytes, 0)
+        prod = T.Cast("float32x8", dot) * T.broadcast(xd, 8)
+        if self.fields == 1:  # Q5_0: quants stored plus 16
+            return d * (prod - T.broadcast(T.float32(16) * xsum, 8))
+        return d * prod + self._field8(Wv, g, b * self.unit_bytes, 1) * T.broadcast(xsum, 8)
+
+    def offset(self, Wv, c, b):
+        if self.fields == 2:
+            return T.Cast("float32", Wv[2][c // ROW_GROUP, b * (self.unit_bytes // 2)
+                                           + ROW_GROUP + c % ROW_GROUP])
+        return self.scale(Wv, c, b) * T.float32(-16)
+
+    def dequant16(self, Wv, c, b, half):
+        at = b * self.unit_bytes + 2 * self.fields * ROW_GROUP
+        e = Wv[0].vload([c // ROW_GROUP, at + 4 * (c % ROW_GROUP)], "uint8x4")
+        fifth = [T.shift_left(T.bitwise_and(T.shift_right(e, T.broadcast(
+            T.uint8(j + 4 * half), 4)), T.broadcast(T.uint8(1), 4)), T.broadcast(T.uint8(4), 4))
+            for j in range(4)]
+        q = T.bitwise_or(_nibbles_u8(self._row_bytes16(Wv, c, at + 32), half),
+                         _cat(_cat(fifth[0], fifth[1], 4), _cat(fifth[2], fifth[3], 4), 8))
+        return (T.Cast("float32x16", q) * T.broadcast(self.scale(Wv, c, b), 16)
+                + T.broadcast(self.offset(Wv, c, b), 16))
+
+
 class _KRows8(_Grouped):
     """Q4_K / Q5_K with 8 rows interleaved (``q4_kx8``, ``q5_kx8``).  A group's super-block: d
     for rows 0..7 (16 bytes), dmin (16), the 6-bit sub-block scales unpacked to a byte each,
@@ -1161,6 +1368,8 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Q8_0("q8_0", 34, "Q8_0"),
     _Q4_0("q4_0", 18, "Q4_0"),
     _Q4_1("q4_1", 20, "Q4_1"),
+    _Q5_0("q5_0", 22, "Q5_0"),
+    _Q5_1("q5_1", 24, "Q5_1"),
     _Q4_K("q4_k", 144, "Q4_K"),
     _Q5_K("q5_k", 176, "Q5_K"),
     _Q6_K("q6_k", 210, "Q6_K"),
@@ -1168,6 +1377,7 @@ FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
 # the interleaved layouts: chosen per matrix for CPU targets (``interleaved``), never asked for
 INTERLEAVED = {f.base.name: f for f in (
     *(_Rows8(FORMATS[n]) for n in ("q8_0", "q4_0", "q4_1")),
+    *(_Q5Rows8(FORMATS[n]) for n in ("q5_0", "q5_1")),
     *(_KRows8(FORMATS[n]) for n in ("q4_k", "q5_k")), _Q6KRows8(FORMATS["q6_k"]))}
 USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
 FORMATS.update({f.name: f for f in INTERLEAVED.values()})

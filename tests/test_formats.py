@@ -31,7 +31,8 @@ def _gguf_type(fmt):
 
 
 # byte offsets of each format's float16 scales inside a block (the rest are random quant bytes)
-SCALE_BYTES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+SCALE_BYTES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2),
+               "q4_k": (0, 2), "q5_k": (0, 2),
                "q6_k": (208,)}
 
 
@@ -54,8 +55,8 @@ def _k(fmt: str, *per_32: int) -> int:
 
 
 def test_every_gguf_layout_is_a_registered_format():
-    assert {FORMATS[f].gguf_type for f in QUANT_FORMATS} == {"Q8_0", "Q4_0", "Q4_1", "Q4_K",
-                                                             "Q5_K", "Q6_K"}
+    assert {FORMATS[f].gguf_type for f in QUANT_FORMATS} == {"Q8_0", "Q4_0", "Q4_1", "Q5_0",
+                                                             "Q5_1", "Q4_K", "Q5_K", "Q6_K"}
     for fmt in QUANT_FORMATS:
         block, nbytes = gguf.GGML_QUANT_SIZES[_gguf_type(fmt)]
         assert (FORMATS[fmt].block, FORMATS[fmt].block_bytes) == (block, nbytes), fmt
@@ -105,6 +106,14 @@ def _layout_checks(f, packed, grouped, g, r, k):
                   for j in range(8) if qs == 48]
         pairs += [(unit[qs * 8 + 32 + 256 * p + 32 * j + 4 * r:][:4],
                    block[qs + 32 * p + 4 * j:][:4]) for p in range(4) for j in range(8)]
+    elif f.base.name in ("q5_0", "q5_1"):  # fifth bits in one chunk: bit j / 4 + j of byte i
+        # the fifth bits of weights 4 j + i / 16 + 4 j + i (nibble chunk j's), then 4 chunks
+        h = int.from_bytes(bytes(block[2 * fields:2 * fields + 4]), "little")
+        spread = [sum(((h >> (4 * j + i)) & 1) << j | ((h >> (16 + 4 * j + i)) & 1) << (4 + j)
+                      for j in range(4)) for i in range(4)]
+        pairs += [(unit[16 * fields + 4 * r:][:4], np.array(spread, np.uint8))]
+        pairs += [(unit[16 * fields + 32 * (j + 1) + 4 * r:][:4],
+                   block[2 * fields + 4 + 4 * j:][:4]) for j in range(4)]
     else:
         pairs += [(unit[16 * fields + 32 * j + 4 * r:][:4], block[2 * fields + 4 * j:][:4])
                   for j in range(f.quant_bytes // 4)]
