@@ -3,7 +3,9 @@
 The runtime (:mod:`paged_decode.runtime.tokenizer`) reads only those two files, so a deploy box
 needs neither transformers nor the GGUF reader.  HF directories copy their fast tokenizer; GGUF
 files are converted from ``tokenizer.ggml.*`` (GPT-2 style byte-level BPE, with llama.cpp's
-pre-tokenizer for the file's ``tokenizer.ggml.pre``); presets get a byte-level tokenizer.
+pre-tokenizer for the file's ``tokenizer.ggml.pre``, or SentencePiece: :mod:`.tokenizer_spm`);
+a GGUF without a chat template gets its family's (:mod:`.chat_templates`); presets get a
+byte-level tokenizer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 from paged_decode.runtime.errors import ConfigError
 
+from . import chat_templates
+from .tokenizer_spm import spm_tokenizer, stop_ids
 from .weights import ModelSource, gguf_fields
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,7 @@ def export_tokenizer(source: ModelSource, out_dir: str | Path) -> None:
         shutil.copyfile(src, out_dir / "tokenizer.json")
     elif source.kind == "gguf" and _has_vocabulary(fields := gguf_fields(source.path)):
         _gguf_tokenizer(fields, str(source.path)).save(str(out_dir / "tokenizer.json"))
-        meta = _gguf_tokenizer_meta(fields)
+        meta = _gguf_tokenizer_meta(fields, str(source.path))
     else:  # a preset, or a GGUF without a vocabulary (tokenizer.ggml.model = "none"): ids only
         _byte_tokenizer(source.config.vocab_size).save(str(out_dir / "tokenizer.json"))
         meta = {"bos_id": None, "eos_ids": [], "add_bos": False, "chat_template": None}
@@ -108,13 +112,23 @@ def _gguf_pre_tokenizer(pre: str | None, source: str):
 
 
 def _gguf_tokenizer(fields: dict, source: str):
+    """The ``tokenizers.Tokenizer`` of GGUF ``tokenizer.ggml.*`` fields: byte-level BPE
+    (``gpt2``) or SentencePiece (``llama``)."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return spm_tokenizer(fields, source)
+    if kind != "gpt2":
+        raise ConfigError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (byte-level "
+                          "BPE 'gpt2' and SentencePiece 'llama' are); use the HF checkpoint with "
+                          "its tokenizer.json")
+    return _byte_level_tokenizer(fields, source)
+
+
+def _byte_level_tokenizer(fields: dict, source: str):
     """A byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` fields."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
-    kind, tokens = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.tokens")
-    if kind != "gpt2":
-        raise ConfigError(f"{source}: tokenizer.ggml.model={kind!r} is not supported (only "
-                          "byte-level BPE, 'gpt2'); use the HF checkpoint with its tokenizer.json")
+    tokens = fields.get("tokenizer.ggml.tokens")
     pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre"), source)
     if not tokens:
         raise ConfigError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens")
@@ -140,11 +154,28 @@ def _byte_level_vocab(tokens: list[str]) -> dict[str, int]:
             for i, t in enumerate(tokens)}
 
 
-def _gguf_tokenizer_meta(fields: dict) -> dict:
-    eos = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return {"bos_id": fields.get("tokenizer.ggml.bos_token_id"), "eos_ids": _unique_ids(eos),
-            "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", False)),
-            "chat_template": fields.get("tokenizer.chat_template")}
+def _gguf_tokenizer_meta(fields: dict, source: str) -> dict:
+    spm = fields.get("tokenizer.ggml.model") == "llama"
+    if spm:
+        eos_ids = stop_ids(fields)
+    else:
+        eos_ids = _unique_ids([fields.get(f"tokenizer.ggml.{k}_token_id")
+                               for k in ("eos", "eot", "eom")])
+    # llama.cpp and transformers add a BOS to a SentencePiece text unless the file says not to
+    return {"bos_id": fields.get("tokenizer.ggml.bos_token_id"), "eos_ids": eos_ids,
+            "add_bos": bool(fields.get("tokenizer.ggml.add_bos_token", spm)),
+            "chat_template": _gguf_chat_template(fields, source)}
+
+
+def _gguf_chat_template(fields: dict, source: str) -> str | None:
+    """The file's chat template, else its family's (said in the log, once per build)."""
+    template = fields.get("tokenizer.chat_template")
+    arch = fields.get("general.architecture")
+    if template is None and (family := chat_templates.family_template(arch)) is not None:
+        name, template = family
+        log.warning("%s: no chat template in the file; using the %s family template", source,
+                    name)
+    return template
 
 
 def _unique_ids(ids: list) -> list[int]:
