@@ -19,6 +19,8 @@ from paged_decode.runtime.errors import ConfigError
 
 from . import arch as families
 from .arch import Family
+from .layer_features import (LAYER_TYPES, gguf_features, hf_features, hf_rope_layer_types,
+                             hf_sliding)
 
 DTYPES = ("float32", "float16")
 
@@ -99,6 +101,16 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (weights of head_dim)
     # each RoPE frequency divided by its factor (a GGUF's rope_freqs tensor: llama3 scaling)
     rope_freq_factors: tuple[float, ...] | None = None
+    gate_act: str = "silu"  # the MLP gate's function (``arch.GATE_ACTIVATIONS``)
+    post_norms: bool = False  # RMSNorms on the attention and MLP outputs before their adds
+    embed_scale: float = 1.0  # embeddings times this
+    attn_scale: float = 0.0  # scores times this (0: 1 / sqrt(head_dim))
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) (0: none)
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (0: none)
+    sliding_window: int = 0  # a sliding layer attends to this many last positions (0: none)
+    sliding_layers: tuple[int, ...] = ()  # the layers with the window
+    rope_local_theta: float = 0.0  # the sliding layers' RoPE base (0: rope_theta)
+    rope_linear_factor: float = 1.0  # the full layers' positions divided by it (linear RoPE)
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -127,9 +139,38 @@ class ModelConfig:
             raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
                               "RopeScaling")
         self._check_freq_factors()
-        for field in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+        for field in ("tie_word_embeddings", "attention_bias", "qk_norm", "post_norms"):
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"{field}={short_repr(getattr(self, field))}: must be a bool")
+        self._check_layer_features()
+
+    def _check_layer_features(self) -> None:
+        if self.gate_act not in families.GATE_ACTIVATIONS:
+            raise ConfigError(f"gate_act={short_repr(self.gate_act)}: supported are "
+                              f"{list(families.GATE_ACTIVATIONS)}")
+        _positive_finite("embed_scale", self.embed_scale)
+        _positive_finite("rope_linear_factor", self.rope_linear_factor)
+        for field in ("attn_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, field)
+            if value != 0:
+                _positive_finite(field, value)
+        if self.rope_local_theta and not 1 < self.rope_local_theta <= FLOAT32_MAX:
+            raise ConfigError(f"rope_local_theta={short_repr(self.rope_local_theta)}: must be "
+                              "above 1 (or 0: rope_theta)")
+        w, layers = self.sliding_window, self.sliding_layers
+        if not (is_int(w) and 0 <= w <= INT_MAX):
+            raise ConfigError(f"sliding_window={short_repr(w)}: must be an integer >= 0")
+        if (not isinstance(layers, tuple) or list(layers) != sorted(set(layers)) or not all(
+                is_int(i) and 0 <= i < self.n_layers for i in layers)):
+            raise ConfigError(f"sliding_layers={short_repr(layers)}: must be a sorted tuple of "
+                              f"distinct layer indices below n_layers={self.n_layers}")
+        if bool(w) != bool(layers):
+            raise ConfigError(f"sliding_window={w} with sliding_layers={short_repr(layers)}: a "
+                              "window needs its layers and layers their window")
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends to the last ``sliding_window`` positions only."""
+        return layer in self.sliding_layers
 
     def _check_freq_factors(self) -> None:
         factors = self.rope_freq_factors
@@ -165,7 +206,8 @@ class ModelConfig:
 
     def n_params(self) -> int:
         h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * self.qkv_size + self.q_size * h + 3 * h * i + 2 * h
+        norms = 4 if self.post_norms else 2
+        per_layer = h * self.qkv_size + self.q_size * h + 3 * h * i + norms * h
         if self.attention_bias:
             per_layer += self.qkv_size
         if self.qk_norm:
@@ -275,9 +317,6 @@ def _build(source: str, **fields) -> ModelConfig:
 
 # ---------------------------------------------------------------------------- HF config.json
 
-_HF_SLIDING_WINDOW = 4096  # the config classes' default (Mistral, Qwen2, Qwen3)
-_HF_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _hf_family(cfg: dict, source: str) -> Family:
@@ -306,7 +345,7 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     if kind is not None and not isinstance(kind, str):
         raise rope.bad("rope_type", kind, "must be a string")
     if kind in (None, "default"):
-        if any(k in rope.raw for k in _LAYER_TYPES):
+        if any(k in rope.raw for k in LAYER_TYPES):
             raise ConfigError(f"{source}: {label} per layer type is not supported (one RoPE "
                               "for every layer)")
         return theta, None
@@ -325,9 +364,9 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
 
 def _hf_refuse_unsupported(f: _Fields, fam: Family) -> None:
     """Features that change the math and are not implemented: an error, never ignored."""
-    act = f.string("hidden_act", fam.activation[0])
+    act = f.string(fam.activation_key, fam.activation[0])
     if act not in fam.activation:
-        raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported "
+        raise ConfigError(f"{f.source}: {fam.activation_key}={act!r} is not supported "
                           f"({fam.activation[0]} only)")
     if f.raw.get("quantization_config") is not None:
         method = f.raw["quantization_config"]
@@ -341,38 +380,6 @@ def _hf_refuse_unsupported(f: _Fields, fam: Family) -> None:
                     "attention_bias" else "biases not run here")
             raise ConfigError(f"{f.source}: {flag}=true is not supported for "
                               f"{fam.hf_architectures[0]} (it adds {what})")
-
-
-def _hf_sliding_layers(f: _Fields, fam: Family, n_layers: int) -> tuple[int | None, list[int]]:
-    """(window, the layers it applies to), as transformers decides for this family."""
-    if fam.sliding == "none":
-        return None, []
-    window = f.integer("sliding_window", _HF_SLIDING_WINDOW, null=None, minimum=0)
-    if fam.sliding == "every_layer":
-        return window, [] if window is None else list(range(n_layers))
-    use = f.flag("use_sliding_window", False)
-    first = f.integer("max_window_layers", _HF_MAX_WINDOW_LAYERS, minimum=0)
-    types = f.raw.get("layer_types")
-    if types is not None and (not isinstance(types, list) or len(types) != n_layers
-                              or not all(isinstance(t, str) and t in _LAYER_TYPES for t in types)):
-        raise f.bad("layer_types", types, f"must be null or a list of {n_layers} (one per layer) "
-                    f"of {list(_LAYER_TYPES)}")
-    if not use or window is None:  # the config drops the window unless use_sliding_window
-        return None, []
-    if types is None:
-        types = [_LAYER_TYPES[i >= first] for i in range(n_layers)]
-    return window, [i for i, t in enumerate(types) if t == "sliding_attention"]
-
-
-def _hf_refuse_sliding_window(f: _Fields, fam: Family, n_layers: int, max_pos: int) -> None:
-    window, layers = _hf_sliding_layers(f, fam, n_layers)
-    if layers and window < max_pos:
-        where = "every layer" if len(layers) == n_layers else (
-            f"{len(layers)} of {n_layers} layers (from layer {layers[0]})")
-        raise ConfigError(
-            f"{f.source}: sliding_window={window} applies to {where}: sliding-window attention "
-            f"is not supported (full attention only, which differs from it past {window} "
-            "tokens); use a model with full attention")
 
 
 def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConfig:
@@ -395,8 +402,10 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
                          null=hidden // n_q)  # 0: refused by _build
     max_pos = f.integer("max_position_embeddings", defaults["max_position_embeddings"])
     _hf_refuse_unsupported(f, fam)
-    _hf_refuse_sliding_window(f, fam, n_layers, max_pos)
-    theta, scaling = _hf_rope(cfg, source)
+    per_type = hf_rope_layer_types(cfg, fam, lambda raw, label: _Fields(raw, source, label))
+    theta, scaling = _hf_rope(cfg, source) if per_type is None else (per_type["rope_theta"], None)
+    features = {**hf_features(f, fam, hidden, n_q, head_dim), **hf_sliding(f, fam, n_layers),
+                **{k: v for k, v in (per_type or {}).items() if k != "rope_theta"}}
     return _build(
         source, name=name, arch=fam.name, hidden_size=hidden, n_layers=n_layers,
         n_q_heads=n_q, n_kv_heads=n_kv, head_dim=head_dim,
@@ -405,7 +414,7 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm, max_position_embeddings=max_pos,
-    )
+        **features)
 
 
 def from_hf_dir(path: str | Path) -> ModelConfig:
@@ -445,7 +454,7 @@ def _gguf_refuse_unsupported(f: _Fields, fam: Family, head_dim: int) -> None:
                           "mixture-of-experts models are not supported")
     scaling = f.string(f"{g}.rope.scaling.type", "none")
     freqs = f.flag("_has_rope_freqs", False)
-    if scaling != "none" or (freqs and not fam.gguf_rope_freqs):
+    if scaling not in ("none", "linear") or (freqs and not fam.gguf_rope_freqs):
         raise ConfigError(f"{f.source}: RoPE scaling ({g}.rope.scaling.type={scaling!r}, "
                           f"rope_freqs tensor={freqs}) is not supported in GGUF files; use the HF "
                           "checkpoint")
@@ -494,14 +503,17 @@ def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelCon
     hidden, n_q = f.integer(f"{g}.embedding_length"), f.integer(f"{g}.attention.head_count")
     head_dim = f.integer(f"{g}.attention.key_length", hidden // n_q)  # 0: refused by _build
     _gguf_refuse_unsupported(f, fam, head_dim)
+    n_layers = f.integer(f"{g}.block_count")
+    features = gguf_features(f, fam, n_layers, hidden, n_q, head_dim)
+    if f.raw.get(f"{g}.rope.scaling.type") == "linear":  # llama.cpp: not on sliding layers
+        features["rope_linear_factor"] = f.number(f"{g}.rope.scaling.factor")
     return _build(
         source, name=name, arch=fam.name, hidden_size=hidden,
-        n_layers=f.integer(f"{g}.block_count"), n_q_heads=n_q,
+        n_layers=n_layers, n_q_heads=n_q,
         n_kv_heads=f.integer(f"{g}.attention.head_count_kv", n_q), head_dim=head_dim,
         intermediate_size=f.integer(f"{g}.feed_forward_length"), vocab_size=_gguf_vocab_size(f, g),
         rms_norm_eps=f.number(f"{g}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=f.number(f"{g}.rope.freq_base", 10000.0),
         rope_freq_factors=_gguf_rope_freqs(f, head_dim), tie_word_embeddings=not f.flag("_has_output_weight", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
-        max_position_embeddings=f.integer(f"{g}.context_length", 4096),
-    )
+        max_position_embeddings=f.integer(f"{g}.context_length", 4096), **features)

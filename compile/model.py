@@ -1,5 +1,7 @@
 """The Relax module: ``decode``, ``decode_dev``, ``prefill`` and ``_metadata`` of one
-decoder, its layer features (biases, q/k norms) read from its ``ModelConfig``.
+decoder, its layer features (biases, q/k norms, post norms, the gate activation, the
+embedding scale, soft-capping, sliding windows and RoPE per layer) read from its
+``ModelConfig``.
 
 Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symbolic):
   decode(token_ids (1,) int32, block_table (1, cap) int32, context_len Prim int64,
@@ -113,8 +115,12 @@ class _Builder:
         return self.linear(xn, w, n, N, K, bias=bias)
 
     def norm_swiglu(self, x, g, w, n):
-        cfg, wdt, w = self.cfg, self.fmt[w], self.p[w]
+        cfg, wdt = self.cfg, self.fmt[w]
         h, inter = cfg.hidden_size, cfg.intermediate_size
+        if cfg.gate_act != "silu":  # the product without activation, then the gate kernel
+            y = self.norm_linear(x, g, w, n, 2 * inter, h)
+            return self.call(self.k.gelu_tanh_gate(inter, self.n_static), [y], (n, inter))
+        w = self.p[w]
         if self.decode:
             return self.call(self.k.gemv_swiglu(inter, h, wdt, cfg.rms_norm_eps), [x, g, w],
                              (1, inter))
@@ -153,18 +159,48 @@ class _Builder:
                                    bias=self.p.get(pre + "bqkv"))
         if cfg.qk_norm:
             qkv = self.qk_norm(qkv, n, pre)
-        rope, attn, extra_rope, extra_attn = attn_args
+        rope, attn_factory, geo, extra_rope, extra_attn = attn_args
+        inv_freq = self.inv_freq[cfg.is_sliding(layer) and bool(cfg.rope_local_theta)]
         written = self.bb.emit(relax.call_tir_inplace(
-            self.kernel(rope), [qkv, kv[0], kv[1], self.inv_freq] + extra_rope, [1, 2, -1],
+            self.kernel(rope), [qkv, kv[0], kv[1], inv_freq] + extra_rope, [1, 2, -1],
             [self.pool_ty, self.pool_ty, _f32(n, q_size)]))
         k_new = self.bb.emit(relax.TupleGetItem(written, 0))
         v_new = self.bb.emit(relax.TupleGetItem(written, 1))
         q_rot = self.bb.emit(relax.TupleGetItem(written, 2))
+        attn = attn_factory(*geo, **self.attn_opts(layer))
         o = self.call(attn, [q_rot, k_new, v_new] + extra_attn, (n, q_size))
-        x = self.linear(o, pre + "wo", n, h, q_size, res=x)
+        x = self.residual(self.linear(o, pre + "wo", n, h, q_size, res=self.fused_res(x)), x,
+                          pre + "post_attn_norm", n)
         act = self.norm_swiglu(x, self.p[pre + "post_norm"], pre + "w_gate_up", n)
-        x = self.linear(act, pre + "w_down", n, h, cfg.intermediate_size, res=x)
-        return x, (k_new, v_new)
+        y = self.linear(act, pre + "w_down", n, h, cfg.intermediate_size, res=self.fused_res(x))
+        return self.residual(y, x, pre + "post_ffn_norm", n), (k_new, v_new)
+
+    def fused_res(self, x):
+        """The residual a linear layer adds in its epilogue: none where a post norm comes
+        between the product and the add."""
+        return None if self.cfg.post_norms else x
+
+    def residual(self, y, x, norm, n):
+        """x + post_norm(y) with a post norm (``ModelConfig.post_norms``), else ``y`` (the
+        linear layer has added x already)."""
+        if not self.cfg.post_norms:
+            return y
+        h = self.cfg.hidden_size
+        return self.call(self.k.rmsnorm_add(h, self.cfg.rms_norm_eps, self.n_static),
+                         [y, self.p[norm], x], (n, h))
+
+    def attn_opts(self, layer: int) -> dict:
+        """The attention kernel's keywords for ``layer``, each only where it differs from the
+        kernel's default: its window (a sliding layer's, where shorter than the artifact's
+        context), soft-capping and score scale."""
+        cfg, opts = self.cfg, {}
+        if cfg.is_sliding(layer) and cfg.sliding_window < self.spec.max_tokens:
+            opts["window"] = cfg.sliding_window
+        if cfg.attn_softcap:
+            opts["softcap"] = cfg.attn_softcap
+        if cfg.attn_scale:
+            opts["scale"] = cfg.attn_scale
+        return opts
 
     def body(self, token_ids, n, pools, params, attn_args):
         """Embedding, the layers, the final norm of the last row and the LM head."""
@@ -173,12 +209,27 @@ class _Builder:
         self.p = p = {s.name: self.bb.emit(relax.TupleGetItem(params, i))
                       for i, s in enumerate(specs)}
         self.fmt = {s.name: s.format for s in specs}
-        self.inv_freq = relax.const(rope_inv_freq(cfg), "float32")
+        self.inv_freq = [relax.const(rope_inv_freq(cfg, sliding), "float32")
+                         for sliding in (False, True)]
         embed = self.k.embedding(cfg.vocab_size, cfg.hidden_size, self.fmt["embed"], self.n_static)
         x = self.call(embed, [token_ids, p["embed"]], (n, cfg.hidden_size))
+        if cfg.embed_scale != 1.0:
+            x = self.call(self.k.scale(cfg.hidden_size, cfg.embed_scale, self.n_static), [x],
+                          (n, cfg.hidden_size))
         for layer in range(cfg.n_layers):
             kv = [self.bb.emit(relax.TupleGetItem(pools, 2 * layer + j)) for j in (0, 1)]
             x, _ = self.layer(x, n, layer, kv, attn_args)
+        logits = self.head(x, n)
+        if not cfg.final_softcap:
+            return logits
+        rows = n if self.all_rows else 1
+        return self.call(self.k.softcap(cfg.vocab_size, cfg.final_softcap,
+                                        None if self.all_rows else 1), [logits],
+                         (rows, cfg.vocab_size))
+
+    def head(self, x, n):
+        """The final norm and the LM head: every row's logits, or the last row's."""
+        cfg, p = self.cfg, self.p
         head = "embed" if cfg.tie_word_embeddings else "lm_head"
         v, h, eps = cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps
         if self.all_rows:
@@ -234,7 +285,7 @@ def _emit_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kernel
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
     rope, attn = ((k.rope_kv_write_decode_dev, k.paged_attention_decode_dev) if dev
                   else (k.rope_kv_write_decode, k.paged_attention_decode))
-    attn_args = (rope(*geo), attn(*geo), [table, off, ctx], [table, ctx])
+    attn_args = (rope(*geo), attn, geo, [table, off, ctx], [table, ctx])
     with bb.function("decode_dev" if dev else "decode", [token_ids, table, ctx, off, pools, params],
                      attrs=_per_call_inputs(4)):
         with bb.dataflow():
@@ -253,7 +304,7 @@ def _emit_prefill(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: Kerne
     b = _Builder(bb, spec, None, funcs, k)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt)
-    attn_args = (k.rope_kv_write_prefill(*geo), k.paged_attention_prefill(*geo),
+    attn_args = (k.rope_kv_write_prefill(*geo), k.paged_attention_prefill, geo,
                  [table, start], [table, start])
     with bb.function("prefill", [token_ids, table, start, pools, params],
                      attrs=_per_call_inputs(3)):
@@ -276,7 +327,7 @@ def _emit_batch_decode(bb: relax.BlockBuilder, spec: BuildSpec, funcs: dict, k: 
     b = _Builder(bb, spec, None, funcs, k, all_rows=True, rows=B)
     b.pool_ty = pool_ty
     geo = (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, bs, cap, cdt, B)
-    attn_args = (k.rope_kv_write_batch(*geo), k.paged_attention_batch(*geo),
+    attn_args = (k.rope_kv_write_batch(*geo), k.paged_attention_batch, geo,
                  [tables, offs, ctx], [tables, ctx])
     with bb.function(f"batch_decode_{B}", [token_ids, tables, ctx, offs, pools, params],
                      attrs=_per_call_inputs(4)):

@@ -5,7 +5,9 @@ gate/up are joined along ``out_features`` once at load time so one kernel reads 
 concatenated; gate and up rows alternate in runs of ``GATE_UP_ROWS`` (see ``gate_up_row``), so
 the SwiGLU GEMV reads one contiguous stream instead of switching between two regions ``I`` rows
 apart (measured in docs/design.md).
-Norm weights (q / k norms: one head's size, shared by the heads) and biases are always float32.
+Norm weights (q / k norms: one head's size, shared by the heads) and biases are always float32;
+a family with post norms (``ModelConfig.post_norms``) adds ``post_attn_norm`` and
+``post_ffn_norm`` per layer.
 Matrices and the embedding are stored in their weight format (``formats.FORMATS``): the
 artifact's ``weight_dtype`` unless its ``weight_formats`` names another for that parameter (a
 GGUF's Q8_0 embedding beside Q4_1 layers); a quantized matrix is its GGUF block bytes,
@@ -110,12 +112,16 @@ def param_specs(cfg: ModelConfig, weight_dtype: str, weight_formats=()) -> list[
         if cfg.qk_norm:  # one weight per head dimension, shared by the heads
             specs += [ParamSpec(p + "q_norm", (cfg.head_dim,), "float32"),
                       ParamSpec(p + "k_norm", (cfg.head_dim,), "float32")]
+        specs.append(m(p + "wo", h, cfg.q_size))
+        if cfg.post_norms:  # the attention output's norm, before the residual add
+            specs.append(ParamSpec(p + "post_attn_norm", (h,), "float32"))
         specs += [
-            m(p + "wo", h, cfg.q_size),
-            ParamSpec(p + "post_norm", (h,), "float32"),
+            ParamSpec(p + "post_norm", (h,), "float32"),  # the MLP's input norm
             m(p + "w_gate_up", 2 * i, h),  # gate / up runs
             m(p + "w_down", h, i),
         ]
+        if cfg.post_norms:
+            specs.append(ParamSpec(p + "post_ffn_norm", (h,), "float32"))
     specs.append(ParamSpec("final_norm", (h,), "float32"))
     if not cfg.tie_word_embeddings:
         specs.append(m("lm_head", v, h))  # (vocab, hidden)

@@ -1,4 +1,5 @@
-"""RoPE inverse frequencies, computed as HF transformers does (float32, llama3 scaling)."""
+"""RoPE inverse frequencies, computed as HF transformers does (float32; llama3 or linear
+scaling; a second base for sliding layers)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,25 @@ import numpy as np
 from .config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """(head_dim / 2,) float32: ``1 / theta^(2i / head_dim)``, then llama3 scaling if set
-    (from ``rope_scaling``'s parameters, or divided by ``rope_freq_factors``)."""
-    d = cfg.head_dim
+def _base_inv_freq(theta: float, d: int) -> np.ndarray:
     exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    return (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
+    """(head_dim / 2,) float32: ``1 / theta^(2i / head_dim)``, then llama3 scaling if set
+    (from ``rope_scaling``'s parameters, or divided by ``rope_freq_factors``) and linear
+    scaling (``rope_linear_factor``).  ``sliding``: for a sliding layer, whose base is
+    ``rope_local_theta`` when set, unscaled."""
+    if sliding and cfg.rope_local_theta:
+        return _base_inv_freq(cfg.rope_local_theta, cfg.head_dim)
+    inv = _llama3(cfg, _base_inv_freq(cfg.rope_theta, cfg.head_dim))
+    if cfg.rope_linear_factor != 1.0:  # positions / factor, as transformers' "linear" type
+        inv = (inv / np.float32(cfg.rope_linear_factor)).astype(np.float32)
+    return inv
+
+
+def _llama3(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
     if cfg.rope_freq_factors is not None:  # as llama.cpp applies a rope_freqs tensor
         return (inv / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
     s = cfg.rope_scaling

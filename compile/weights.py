@@ -75,7 +75,8 @@ class ModelSource:
             return _convert(_split_qkv(_preset_params(self.config, "float32"), self.config,
                                        specs), specs)
         if self.kind == "hf":
-            return _assemble(self.config, _hf_getter(self.path), specs)
+            offset = families.family(self.config.arch).hf_norm_offset
+            return _assemble(self.config, _norm_offset(_hf_getter(self.path), offset), specs)
         return _assemble(self.config, _gguf_getter(self.path, self.config), specs,
                          _gguf_raw_getter(self.path, self.config))
 
@@ -182,8 +183,8 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
     layer, part = re.fullmatch(r"layers\.(\d+)\.(\w+)", name).groups()
     p = f"model.layers.{layer}."
     attn, rows = p + "self_attn.", {"q": q, "k": kv, "v": kv}
-    table = {
-        "input_norm": [(p + "input_layernorm.weight", (h,))],
+    norms = families.family(cfg.arch).hf_norms
+    table = {**{k: [(f"{p}{module}.weight", (h,))] for k, module in norms.items()},
         "wqkv": [(f"{attn}{x}_proj.weight", (n, h)) for x, n in rows.items()],
         "bqkv": [(f"{attn}{x}_proj.bias", (n,)) for x, n in rows.items()],
         "wqk": [(f"{attn}{x}_proj.weight", (rows[x], h)) for x in "qk"],
@@ -193,7 +194,6 @@ def _hf_parts(cfg: ModelConfig, name: str) -> list[tuple[str, tuple[int, ...]]]:
         "wo": [(attn + "o_proj.weight", (h, q))],
         "q_norm": [(attn + "q_norm.weight", (cfg.head_dim,))],
         "k_norm": [(attn + "k_norm.weight", (cfg.head_dim,))],
-        "post_norm": [(p + "post_attention_layernorm.weight", (h,))],
         "w_gate_up": [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h))],
         "w_down": [(p + "mlp.down_proj.weight", (h, i))],
     }
@@ -434,6 +434,18 @@ def _safetensors_entry(name: str, e: Any) -> tuple[str, tuple[int, ...], int, in
     return dtype, tuple(shape), start, end
 
 
+def _norm_offset(get, offset: float):
+    """``get`` adding ``offset`` to every norm weight: a ``(1 + w)`` norm family's HF weights
+    become the ``w + 1`` its GGUF stores and the kernels multiply by."""
+    if not offset:
+        return get
+
+    def shifted(name: str) -> tuple[np.ndarray, str]:
+        array, where = get(name)
+        return (array + np.float32(offset) if name.endswith("norm.weight") else array), where
+    return shifted
+
+
 def _hf_getter(path: Path):
     """``get(hf_name) -> (float32 array, file)`` over an HF safetensors checkpoint, read with
     numpy (bfloat16 widened by a shift: exact), so building from a checkpoint needs no torch."""
@@ -475,13 +487,13 @@ def _safetensors_spans(path: Path) -> dict[str, tuple[str, tuple[int, ...], int,
 
 # ---------------------------------------------------------------------------- GGUF
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's tensor name (the families' maps, ``arch``): model.layers.3.mlp.up_proj.weight
-    -> blk.3.ffn_up.weight."""
+def gguf_name(hf_name: str, arch: str | None = None) -> str:
+    """llama.cpp's tensor name in family ``arch``'s map (None: the first family naming the
+    module, ``arch.gguf_layer_tensor``): model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
     if hf_name in families.GGUF_GLOBAL_TENSORS:
         return families.GGUF_GLOBAL_TENSORS[hf_name]
     layer, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(\w+)", hf_name).groups()
-    return f"blk.{layer}.{families.gguf_layer_tensor(module)}.{kind}"
+    return f"blk.{layer}.{families.gguf_layer_tensor(module, arch)}.{kind}"
 
 
 def _rope_heads(cfg: ModelConfig) -> dict[str, int]:
@@ -544,12 +556,12 @@ def _gguf_source(path: Path) -> ModelSource:
     tensors = {t.name: t for t in reader.tensors}
 
     def found(hf_name: str):
-        t = tensors.get(gguf_name(hf_name))
+        t = tensors.get(gguf_name(hf_name, cfg.arch))
         if t is None:
             return None
         dtype = t.tensor_type if _gguf_dequantizable(t.tensor_type) else None
         return [int(d) for d in t.shape[::-1]], dtype, f"{path} (as {t.name})"
-    _check_tensors(cfg, found, lambda name: f"tensor {gguf_name(name)} (HF {name}) is missing "
+    _check_tensors(cfg, found, lambda name: f"tensor {gguf_name(name, cfg.arch)} (HF {name}) is missing "
                    f"from {path}")
     check_vocabulary(path, fields, cfg.vocab_size)
     check_values(path, reader)
@@ -582,9 +594,10 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
     rope_heads = _rope_heads(cfg)
 
     def get(name: str) -> tuple[np.ndarray, str]:
-        tensor = tensors.get(gguf_name(name))
+        tensor = tensors.get(gguf_name(name, cfg.arch))
         if tensor is None:
-            raise WeightsError(f"tensor {gguf_name(name)} (HF {name}) is missing from {path}")
+            raise WeightsError(f"tensor {gguf_name(name, cfg.arch)} (HF {name}) is missing "
+                               f"from {path}")
         if by_gguf_type(tensor.tensor_type.name) is None:
             log.warning("%s in %s is %s, which does not run natively: dequantized", tensor.name,
                         path, tensor.tensor_type.name)
@@ -610,7 +623,7 @@ def _gguf_raw_getter(path: Path, cfg: ModelConfig):
     rope_heads = _rope_heads(cfg)
 
     def raw(name: str, fmt: str) -> np.ndarray | None:
-        tensor = tensors.get(gguf_name(name))
+        tensor = tensors.get(gguf_name(name, cfg.arch))
         if tensor is None or tensor.tensor_type.name != FORMATS[fmt].gguf_type:
             return None
         rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
@@ -625,7 +638,7 @@ def _gguf_raw_getter(path: Path, cfg: ModelConfig):
 def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
     """``{matrix parameter: [GGUF type name of each of its parts]}`` of a GGUF source."""
     tensors = {t.name: t for t in _open_gguf(source.path).tensors}
-    return {name: [tensors[gguf_name(hf)].tensor_type.name
+    return {name: [tensors[gguf_name(hf, source.config.arch)].tensor_type.name
                    for hf, _shape in _hf_parts(source.config, name)]
             for name in matrix_shapes(source.config)}
 

@@ -11,7 +11,8 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping
 
-SLIDING_POLICIES = ("none", "every_layer", "use_sliding_window")
+SLIDING_POLICIES = ("none", "every_layer", "use_sliding_window", "layer_types")
+GATE_ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP gate's function, as ``ModelConfig.gate_act``
 DEFAULTED_KEYS = ("num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings")
 
 # HF module (below ``model.layers.N.``) -> llama.cpp's tensor name (below ``blk.N.``): the
@@ -22,6 +23,10 @@ GGUF_LAYER_TENSORS = MappingProxyType({
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 })
+# parameter (below ``layers.N.``) -> HF module of the layer's norms: where the norm before the
+# MLP (``post_norm``) is HF's ``post_attention_layernorm``; a family with post norms names its own
+HF_LAYER_NORMS = MappingProxyType({"input_norm": "input_layernorm",
+                                   "post_norm": "post_attention_layernorm"})
 GGUF_GLOBAL_TENSORS = MappingProxyType({
     "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
@@ -43,7 +48,22 @@ class Family:
     ``gguf_rope_freqs``: llama.cpp reads a ``rope_freqs`` tensor (per-frequency divisors: how
     its converter stores llama3 RoPE scaling) for this family; elsewhere one is refused.
     ``norm`` and ``activation``: the layer's norm (``x * rsqrt(mean(x^2) + eps) * w``) and
-    gate activation (the names config.json may give it).
+    gate activation (the names config.json's ``activation_key`` may give it), ``gate_act`` the
+    function they name (``GATE_ACTIVATIONS``).
+
+    Features beyond Llama's: ``hf_norm_offset`` is added to every HF norm weight at load (a
+    ``(1 + w)`` norm; llama.cpp's converter already stores ``w + 1``).  ``post_norms``: a norm
+    on the attention output and on the MLP output before each residual add (``hf_norms`` names
+    the four HF modules).  ``embed_scale_sqrt_hidden``: embeddings times sqrt(hidden_size).
+    ``attn_scale_key``: the config.json key whose ``** -0.5`` scales the scores (else
+    1/sqrt(head_dim)); ``gguf_attn_scale_layers``: block counts whose GGUF (which stores no
+    scale) takes ``(hidden / heads) ** -0.5``, as llama.cpp decides.  ``attn_softcap_key`` /
+    ``final_softcap_key``: config.json keys (and ``<arch>.<key>`` in GGUF) of the tanh
+    soft-capping of scores / logits (None: the family does not apply it).  ``sliding_pattern``:
+    every ``sliding_pattern``-th layer is full, the others slide (``layer_types`` absent, and
+    GGUF).  ``rope_per_layer_type``: ``rope_parameters`` per layer type (the sliding layers'
+    base: ``rope_local_base_freq`` in older configs); ``gguf_local_rope_theta``: the sliding
+    layers' base in GGUF (which stores only the global one).
     """
 
     name: str
@@ -60,6 +80,19 @@ class Family:
         default_factory=lambda: GGUF_LAYER_TENSORS)
     norm: str = "rms"
     activation: tuple[str, ...] = ("silu", "swish")  # one function: transformers maps both
+    activation_key: str = "hidden_act"
+    gate_act: str = "silu"
+    hf_norm_offset: float = 0.0
+    post_norms: bool = False
+    hf_norms: Mapping[str, str] = dataclasses.field(default_factory=lambda: HF_LAYER_NORMS)
+    embed_scale_sqrt_hidden: bool = False
+    attn_scale_key: str | None = None
+    gguf_attn_scale_layers: tuple[int, ...] = ()
+    attn_softcap_key: str | None = None
+    final_softcap_key: str | None = None
+    sliding_pattern: int = 0
+    rope_per_layer_type: bool = False
+    gguf_local_rope_theta: float | None = None
 
     def __post_init__(self):
         if self.sliding not in SLIDING_POLICIES:
@@ -68,12 +101,16 @@ class Family:
             raise ValueError(f"{self.name}: hf_defaults must give {DEFAULTED_KEYS}")
         if self.norm != "rms":
             raise ValueError(f"{self.name}: norm={self.norm!r}: only 'rms' is built")
+        if self.gate_act not in GATE_ACTIVATIONS:
+            raise ValueError(f"{self.name}: gate_act={self.gate_act!r}, not in {GATE_ACTIVATIONS}")
+        if (self.sliding == "layer_types") != (self.sliding_pattern > 0):
+            raise ValueError(f"{self.name}: sliding='layer_types' needs a sliding_pattern")
 
 
 def _families() -> dict[str, Family]:
-    from . import llama, mistral, qwen2, qwen3
+    from . import gemma2, gemma3, llama, mistral, qwen2, qwen3
 
-    return {m.FAMILY.name: m.FAMILY for m in (llama, mistral, qwen2, qwen3)}
+    return {m.FAMILY.name: m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3)}
 
 
 FAMILIES: Mapping[str, Family] = MappingProxyType(_families())
@@ -88,8 +125,11 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def gguf_layer_tensor(module: str) -> str | None:
-    """llama.cpp's name for the HF layer module ``module`` (any family's), or None."""
+def gguf_layer_tensor(module: str, arch: str | None = None) -> str | None:
+    """llama.cpp's name for the HF layer module ``module`` in family ``arch`` (None: the first
+    family naming it, Llama's names first), or None."""
+    if arch is not None:
+        return FAMILIES[arch].gguf_layer_tensors.get(module)
     for fam in FAMILIES.values():
         if module in fam.gguf_layer_tensors:
             return fam.gguf_layer_tensors[module]

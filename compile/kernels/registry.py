@@ -50,6 +50,12 @@ class KernelSet:
     # whether a quantized LM head's kernels take int16 activations (``wide_x``: the CPU's
     # integer dot products; the GPU kernels keep x float32)
     quant_head_wide_x: bool = False
+    # the layer features' elementwise kernels (``cpu/elementwise.py``): the embedding scale,
+    # logit soft-capping, the GELU-tanh gate and a post norm with its residual add
+    scale: Callable | None = None
+    softcap: Callable | None = None
+    gelu_tanh_gate: Callable | None = None
+    rmsnorm_add: Callable | None = None
 
     def small_rows_limit(self, wdt: str) -> int:
         """The largest batch bucket the small-batch kernels serve for weights in ``wdt``."""

@@ -6,7 +6,7 @@ import functools
 
 from ...formats import FORMATS
 from ..registry import KernelSet
-from . import attention, batch, gemv, linear, norm, quant, rope_kv
+from . import attention, batch, elementwise, gemv, linear, norm, quant, rope_kv
 from .simd import K_BLOCK_LAYOUT, L2, NTA
 
 # Weight formats whose decode GEMVs prefetch their rows into L2 (``prefetcht1``) instead of as
@@ -103,4 +103,7 @@ def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False
                      _gemv_by_format(batch.gemv_rows_swiglu, q(quant.linear_swiglu_rows),
                                      l2_formats),
                      batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
-                     small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True)
+                     small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True,
+                     scale=elementwise.scale, softcap=elementwise.softcap,
+                     gelu_tanh_gate=elementwise.gelu_tanh_gate,
+                     rmsnorm_add=elementwise.rmsnorm_add)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..registry import KernelSet
-from . import attention, gemv, linear, norm
+from . import attention, elementwise, gemv, linear, norm
 
 
 def gpu_kernels() -> KernelSet:
@@ -13,4 +13,7 @@ def gpu_kernels() -> KernelSet:
                      attention.paged_attention_prefill, attention.rope_kv_write_decode_dev,
                      attention.paged_attention_decode_dev,
                      rope_kv_write_batch=attention.rope_kv_write_batch,
-                     paged_attention_batch=attention.paged_attention_batch)
+                     paged_attention_batch=attention.paged_attention_batch,
+                     scale=elementwise.scale, softcap=elementwise.softcap,
+                     gelu_tanh_gate=elementwise.gelu_tanh_gate,
+                     rmsnorm_add=elementwise.rmsnorm_add)
