@@ -149,9 +149,15 @@ def test_bad_hf_config_names_value(changes, message):
         from_hf_dict(_edited(LLAMA, **changes), name="bad")
 
 
-def test_mistral_sliding_window_rejected():
-    with pytest.raises(ConfigError, match="sliding_window=4096"):
-        from_hf_dict(dict(MISTRAL, sliding_window=4096), name="mistral")
+def test_mistral_sliding_window_is_read():
+    cfg = from_hf_dict(dict(MISTRAL, sliding_window=4096), name="mistral")
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, tuple(range(cfg.n_layers)))
+
+
+def test_window_of_no_positions_refused():
+    """A window of 0 masks every key in transformers: refused, not run as full attention."""
+    with pytest.raises(ConfigError, match=r"sliding_window=0: a window of 0 positions"):
+        from_hf_dict(dict(MISTRAL, sliding_window=0), name="mistral")
 
 
 def test_unknown_preset_named():
@@ -370,16 +376,24 @@ def test_flags_and_biases_follow_transformers():
     assert from_hf_dict(dict(LLAMA, hidden_act="swish"), name="l").hidden_size == 2048
 
 
-def _hf_sliding(raw: dict) -> bool:
-    """Whether transformers' own config gives some layer a sliding window."""
+def _hf_window(raw: dict) -> tuple[int | None, tuple[int, ...]]:
+    """transformers' own config: (window, the layers that slide), (None, ()) for none."""
     from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
     hf_cls = {"Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config}.get(
         raw["architectures"][0], MistralConfig)
     ref = hf_cls(**{k: v for k, v in raw.items() if k != "architectures"})
+    if ref.sliding_window is None:
+        return None, ()
     if hf_cls is MistralConfig:
-        return ref.sliding_window is not None
-    return ref.sliding_window is not None and "sliding_attention" in ref.layer_types
+        return ref.sliding_window, tuple(range(ref.num_hidden_layers))
+    layers = tuple(i for i, t in enumerate(ref.layer_types) if t == "sliding_attention")
+    return (ref.sliding_window, layers) if layers else (None, ())
+
+
+def _hf_sliding(raw: dict) -> bool:
+    """Whether transformers' own config gives some layer a sliding window."""
+    return bool(_hf_window(raw)[1])
 
 
 SMALL_QWEN2 = dict(QWEN2, num_hidden_layers=4, max_position_embeddings=32768)
@@ -395,13 +409,12 @@ SMALL_QWEN2 = dict(QWEN2, num_hidden_layers=4, max_position_embeddings=32768)
                                             max_window_layers=2)),
     (MISTRAL, dict(sliding_window=_DELETE)),  # MistralConfig's default window is 4096
     (MISTRAL, dict(sliding_window=1024)),
-    (MISTRAL, dict(sliding_window=0)),  # a window of 0 masks every key in transformers
 ])
-def test_sliding_window_that_applies_is_refused(base, changes):
+def test_sliding_window_is_read_as_transformers_reads_it(base, changes):
     raw = _edited(base, **changes)
     assert _hf_sliding(raw)  # the reference: transformers runs some layer with a window
-    with pytest.raises(ConfigError, match=r"sliding_window=\d+ applies to .*not supported"):
-        from_hf_dict(raw, name="sliding")
+    cfg = from_hf_dict(raw, name="sliding")
+    assert (cfg.sliding_window, cfg.sliding_layers) == _hf_window(raw)
 
 
 @pytest.mark.parametrize("base, changes", [
@@ -418,7 +431,9 @@ def test_full_attention_configs_still_load(base, changes):
     """Qwen2 configs often carry a window with use_sliding_window false: full attention."""
     raw = _edited(base, **changes)
     assert not _hf_sliding(raw)
-    assert from_hf_dict(raw, name="full").n_layers == raw["num_hidden_layers"]
+    cfg = from_hf_dict(raw, name="full")
+    assert (cfg.n_layers, cfg.sliding_window, cfg.sliding_layers) == (
+        raw["num_hidden_layers"], 0, ())
 
 
 GGUF_BASE = {"general.architecture": "llama", "llama.embedding_length": 64,
