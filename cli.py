@@ -110,11 +110,12 @@ def build_options(fn):
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
         click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
                      show_default=True, type=click.Choice(
-                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1", "q4_k",
-                          "q5_k", "q6_k", "q4_k_m", "q5_k_m"]),
+                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0",
+                          "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"]),
                      help="how matrices are stored and read: auto keeps a GGUF's own formats "
                      "(float32 for HF checkpoints); float32 / float16 dequantize; q8_0 / q4_0 "
-                     "/ q4_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0); q4_k_m / "
+                     "/ q4_1 / q5_0 / q5_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0); "
+                     "q4_k_m / "
                      "q5_k_m: llama.cpp's mixes of those names (Q6_K LM head, V and down "
                      "projections of some layers)"),
         click.option("--batch-buckets", default=None, type=_Buckets(),
@@ -626,8 +627,8 @@ class _IntList(click.ParamType):
               help="presets / model paths to measure (repeatable)")
 @click.option("--out", default="bench-out", show_default=True, type=click.Path())
 @click.option("--dtype", "dtypes", multiple=True,
-              type=click.Choice(["float32", "float16", "gguf", "q4_0", "q4_1", "q8_0",
-                                 "q4_k_m", "q5_k_m"]),
+              type=click.Choice(["float32", "float16", "gguf", "q4_0", "q4_1", "q5_0", "q5_1",
+                                 "q8_0", "q4_k_m", "q5_k_m"]),
               default=["float32", "float16"], show_default=True,
               help="weight and KV-cache dtype (repeatable); quantized: gguf (a GGUF model's "
               "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "

@@ -141,18 +141,21 @@ def time_hf(model, contexts, n_tokens: int, prompt_lens) -> dict:
 
 
 # paged-bench's quantized kinds: llama.cpp's ftype names (its own quantizer makes the file)
-LLAMA_FTYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "q4_k_m": "Q4_K_M",
-                "q5_k_m": "Q5_K_M"}
+LLAMA_FTYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q5_0": "Q5_0", "q5_1": "Q5_1", "q8_0": "Q8_0",
+                "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
 
 
-def quantize_gguf(src: Path, out: Path, kind: str, threads: int) -> Path:
+def quantize_gguf(src: Path, out: Path, kind: str, threads: int,
+                  requantize: bool = False) -> Path:
     """``src`` (a float16 GGUF) quantized by llama.cpp's ``llama_model_quantize`` to ``kind``
-    (a key of ``LLAMA_FTYPES``), so both engines read identical bytes."""
+    (a key of ``LLAMA_FTYPES``), so both engines read identical bytes; ``requantize``: ``src``
+    may hold quantized tensors (llama.cpp dequantizes them first)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{LLAMA_FTYPES[kind]}")
     params.nthread = threads
+    params.allow_requantize = requantize
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src.name} -> {kind}) returned {rc}")

@@ -598,7 +598,7 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
         if tensor is None:
             raise WeightsError(f"tensor {gguf_name(name, cfg.arch)} (HF {name}) is missing "
                                f"from {path}")
-        if by_gguf_type(tensor.tensor_type.name) is None:
+        if by_gguf_type(tensor.tensor_type.name) is None and tensor.tensor_type.name != "BF16":
             log.warning("%s in %s is %s, which does not run natively: dequantized", tensor.name,
                         path, tensor.tensor_type.name)
         try:
@@ -656,6 +656,9 @@ def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, st
     runs no quantized format (each is then dequantized, with one warning saying why)."""
     chosen, dequantized = {}, set()
     for name, types in gguf_matrix_types(source).items():
+        if set(types) == {"BF16"}:
+            chosen[name] = _bf16_format(source, name)
+            continue
         fmts = [by_gguf_type(t) for t in types]
         dequantized.update(f.name for f in fmts if f is not None and f.quantized and no_quantized)
         native = all(f is not None and (no_quantized is None or not f.quantized) for f in fmts)
@@ -663,15 +666,43 @@ def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, st
             layer = name[:-len("wqkv")]
             chosen[layer + "wqk"], chosen[layer + "wv"] = fmts[0].name, fmts[2].name
         elif len(set(types)) > 1 or fmts[0] is None:
-            log.warning("%s: %s parts are %s; not run natively: dequantized to float16",
-                        source.path, name, "/".join(types))
-            chosen[name] = "float16"
+            chosen[name] = _bf16_format(source, name) if "BF16" in types else "float16"
+            log.warning("%s: %s parts are %s; not run natively: dequantized to %s",
+                        source.path, name, "/".join(types), chosen[name])
         else:
             chosen[name] = fmts[0].name if native else "float16"
     if dequantized:
         log.warning("%s: %s tensors dequantized to float16 (%s)", source.path,
                     "/".join(sorted(dequantized)), no_quantized)
     return chosen
+
+
+def _bf16_format(source: ModelSource, name: str) -> str:
+    """The format of a matrix with parts a GGUF stores in BF16: float16 where every BF16 value
+    is one (bfloat16's 8 significant bits fit float16's 11 inside float16's exponent range),
+    else float32, which holds every bfloat16 value: a bfloat16 weight is never rounded, flushed
+    or overflowed by float16's narrower range."""
+    tensors = {t.name: t for t in _open_gguf(source.path).tensors}
+    parts = [tensors[gguf_name(hf, source.config.arch)]
+             for hf, _shape in _hf_parts(source.config, name)]
+    if all(bf16_fits_float16(np.asarray(t.data).view(np.uint16)) for t in parts
+           if t.tensor_type.name == "BF16"):
+        return "float16"
+    log.info("%s: %s holds BF16 values that float16 cannot hold exactly: stored as float32",
+             source.path, name)
+    return "float32"
+
+
+def bf16_fits_float16(bits: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether every bfloat16 (``bits``, its uint16 patterns) is exactly a float16, in chunks
+    (an embedding holds 10^8 of them)."""
+    flat = bits.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        x = (flat[i:i + chunk].astype(np.uint32) << 16).view(np.float32)
+        with np.errstate(over="ignore"):
+            if not np.array_equal(x.astype(np.float16).astype(np.float32), x):
+                return False
+    return True
 
 
 def more_bits(layer: int, n_layers: int) -> bool:

@@ -331,27 +331,21 @@ def _q3_k_blocks(rows: int, K: int, seed: int = 0) -> np.ndarray:
 
 def test_gguf_types_without_kernels_pack_as_float16_with_a_warning(llama_wide_ckpt, tmp_path,
                                                                    caplog):
-    """A GGUF holding types we do not run natively (Q5_0 and Q5_1 from gguf's quantizer, a
-    hand-made Q3_K) beside native Q8_0 packs: each such tensor is named with its type in a
-    warning and stored as float16, gguf's own dequantization of the file rounded to float16;
-    the Q8_0 matrices keep their blocks."""
+    """A GGUF holding a type we do not run natively (a hand-made Q3_K) beside native Q8_0
+    packs: the tensor is named with its type in a warning and stored as float16, gguf's own
+    dequantization of the file rounded to float16; the Q8_0 matrices keep their blocks
+    (Q5_0 / Q5_1 run natively: test_q5_formats)."""
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
     from safetensors.numpy import load_file
 
     from paged_decode.compile.api import write_weight_pack
     from paged_decode.compile.weights import resolve_formats
 
     cfg = resolve_model(str(llama_wide_ckpt.path)).config
-    state = llama_wide_ckpt.state
-    q5 = {"token_embd.weight": ("Q5_1", "model.embed_tokens.weight", "embed"),
-          "blk.0.attn_output.weight": ("Q5_0", "model.layers.0.self_attn.o_proj.weight",
-                                       "layers.0.wo")}
-    raw = {name: (t, quantize(state[hf], gguf.GGMLQuantizationType[t]))
-           for name, (t, hf, _param) in q5.items()}
-    raw["blk.1.ffn_down.weight"] = ("Q3_K", _q3_k_blocks(cfg.hidden_size, cfg.intermediate_size))
-    ours = {**{name: param for name, (_t, _hf, param) in q5.items()},
-            "blk.1.ffn_down.weight": "layers.1.w_down"}
+    raw = {"blk.1.ffn_down.weight": ("Q3_K", _q3_k_blocks(cfg.hidden_size,
+                                                          cfg.intermediate_size))}
+    ours = {"blk.1.ffn_down.weight": "layers.1.w_down"}
     path = write_llama_gguf(tmp_path / "mixed.gguf", llama_wide_ckpt, cfg,
                             formats=lambda name: "q8_0", raw=raw)
     source = resolve_model(str(path))
