@@ -5,11 +5,12 @@ Decode GEMV (optionally fused with the RMSNorm before it, or SwiGLU): the input 
 quantized once per call to int8 in blocks of 32 (``dx = max|x| / 127``, round half to even), as
 llama.cpp's decode does, and each weight block's contribution is an integer dot product
 (AVX2 ``vpmaddubsw`` + ``vpmaddwd`` on 256 bits, eight int32 lanes) scaled by ``d * dx``, plus
-the format's offset term (Q4_1's m, Q4_0's -8 d, the k-quants' -dmin m) times ``dx * sum(xq)``,
-precomputed per block.  Four blocks of a row run in four independent accumulators.  Rows are
-shared out in 16-row units as the float GEMV's are (``claimed_units``).  The LM head quantizes
-its input to int16 instead (``wide_x``: ``vpmaddwd`` of widened quants), as accurate as float32
-activations to ~1e-5 and faster than decoding its blocks to float.
+the format's offset term (Q4_1's / Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, the k-quants' -dmin m)
+times ``dx * sum(xq)``, precomputed per block.  Four blocks of a row run in four independent
+accumulators.  Rows are shared out in 16-row units as the float GEMV's are
+(``claimed_units``).  The LM head quantizes its input to int16 instead (``wide_x``:
+``vpmaddwd`` of widened quants), as accurate as float32 activations to ~1e-5 and faster than
+decoding its blocks to float.
 
 Prefill / batched matmul, two kinds.  The int8 tile (``linear_int8``: batch buckets of at most
 ``SMALL_ROWS`` rows, and prefill over rows of at least ``INT8_MIN_K`` weights) quantizes every
@@ -19,8 +20,8 @@ rows to float32 once (a scratch of ``TN x K``) and runs the float register tile 
 ``linear.py`` over its block of up to 64 tokens (activations stay float32), which measured
 faster on short rows (docs/design.md).
 
-Rows interleaved by 8 (``formats._Rows8`` / ``_KRows8`` / ``_Q6KRows8``: the CPU layout of
-Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices): the same integer arithmetic with the group's 8
+Rows interleaved by 8 (``formats._Rows8`` / ``_Q5Rows8`` / ``_KRows8`` / ``_Q6KRows8``: the CPU
+layout of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K matrices): the same integer arithmetic with the group's 8
 rows in the 8 lanes of one vector, x broadcast 4 bytes at a time, so the unpacking, conversion
 and scaling of a unit serve 8 rows and no lane sum remains.  The decode GEMVs fill their 16-row
 units by groups (``_group_fill``, ``_group_tile_fill``), the int8 tiles have such variants
