@@ -198,7 +198,8 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
     (``block_size`` None: ``tspec.default_block_size``; ``batch_buckets`` None:
     :data:`DEFAULT_BATCH_BUCKETS` where the target's kernels batch, else none)."""
     if max_context is None and max_blocks_cap is None:
-        max_context = min(source.config.max_position_embeddings, 2048)
+        max_context = min(source.config.max_position_embeddings, 2048,
+                          source.config.rope_max_context or 2048)
     if block_size is None:
         block_size = tspec.default_block_size
     if batch_buckets is None:

@@ -75,6 +75,7 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
         max_blocks_cap = -(-max_context // block_size)
     if not isinstance(max_blocks_cap, int) or max_blocks_cap < 1:
         raise ConfigError(f"max_blocks_cap={max_blocks_cap!r}: must be a positive integer")
+    _check_rope_context(cfg, max_blocks_cap, block_size, max_context is None)
     if cache_dtype not in DTYPES:
         raise ConfigError(f"cache_dtype={cache_dtype!r}: choose one of {list(DTYPES)}")
     for value in [weight_dtype, *dict(weight_formats).values()]:
@@ -82,6 +83,20 @@ def make_spec(cfg: ModelConfig, *, block_size: int, max_blocks_cap: int | None =
             raise ConfigError(f"weight_dtype={value!r}: choose one of {list(FORMATS)}")
     return BuildSpec(cfg, max_blocks_cap, block_size, cache_dtype, weight_dtype,
                      check_buckets(batch_buckets), tuple(sorted(dict(weight_formats).items())))
+
+
+def _check_rope_context(cfg: ModelConfig, cap: int, block_size: int, by_blocks: bool) -> None:
+    """A longrope model runs its short factors only (``ModelConfig.rope_max_context``):
+    transformers and llama.cpp switch to the long ones past original_max_position_embeddings,
+    so an artifact holding more positions is refused."""
+    limit, tokens = cfg.rope_max_context, cap * block_size
+    if limit and tokens > limit:
+        fix = (f"--max-blocks-cap <= {limit // block_size}" if by_blocks
+               else f"--max-context <= {limit // block_size * block_size}")
+        raise ConfigError(f"the artifact would hold {tokens} tokens per sequence ({cap} blocks of "
+                          f"{block_size}), past {cfg.name}'s original_max_position_embeddings "
+                          f"({limit}): longrope's long factors, used beyond it, are not "
+                          f"supported; {fix}")
 
 
 # The build side's modules that shape the compiled library (graph, kernels, parameter layout,

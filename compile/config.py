@@ -95,6 +95,12 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # partial RoPE: the first rope_dim dimensions of each q / k head rotate, the rest pass (0: all)
+    rope_dim: int = 0
+    # longrope: cos / sin of the rotated dimensions times rope_attn_factor, with the short
+    # factors (rope_freq_factors) that hold up to rope_max_context positions (0: any)
+    rope_attn_factor: float = 1.0
+    rope_max_context: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (never an o_proj bias)
     max_position_embeddings: int = 4096
@@ -138,6 +144,7 @@ class ModelConfig:
         if not (self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling)):
             raise ConfigError(f"rope_scaling={short_repr(self.rope_scaling)}: must be None or a "
                               "RopeScaling")
+        self._check_partial_rope()
         self._check_freq_factors()
         for field in ("tie_word_embeddings", "attention_bias", "qk_norm", "post_norms"):
             if not isinstance(getattr(self, field), bool):
@@ -172,16 +179,34 @@ class ModelConfig:
         """Whether ``layer`` attends to the last ``sliding_window`` positions only."""
         return layer in self.sliding_layers
 
+    def _check_partial_rope(self) -> None:
+        r, m = self.rope_dim, self.rope_max_context
+        if not (is_int(r) and (r == 0 or (2 <= r <= self.head_dim and r % 2 == 0))):
+            raise ConfigError(f"rope_dim={short_repr(r)}: must be 0 (every dimension rotates) or "
+                              f"an even number in [2, head_dim={self.head_dim}]")
+        _positive_finite("rope_attn_factor", self.rope_attn_factor)
+        if not (is_int(m) and 0 <= m <= INT_MAX):
+            raise ConfigError(f"rope_max_context={short_repr(m)}: must be an integer >= 0")
+        if self.qk_norm and (self.rotary_dim != self.head_dim or self.rope_attn_factor != 1):
+            # both are folded into the Q / K rows (weights.py), which a q / k norm would undo
+            raise ConfigError(f"rope_dim={r}, rope_attn_factor={self.rope_attn_factor} with "
+                              "q/k norms: partial or scaled RoPE after a q/k norm is not supported")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each q / k head that RoPE rotates (``rope_dim``, else all)."""
+        return self.rope_dim or self.head_dim
+
     def _check_freq_factors(self) -> None:
         factors = self.rope_freq_factors
         if factors is None:
             return
         # at least float32's smallest normal: 1 / factor stays finite in float32
-        if (not isinstance(factors, tuple) or len(factors) != self.head_dim // 2
+        if (not isinstance(factors, tuple) or len(factors) != self.rotary_dim // 2
                 or not all(is_real(v) and 1.1754944e-38 <= v <= FLOAT32_MAX for v in factors)):
             raise ConfigError(f"rope_freq_factors={short_repr(factors)}: must be "
-                              f"{self.head_dim // 2} positive finite float32 numbers (one per "
-                              f"RoPE frequency of head_dim {self.head_dim})")
+                              f"{self.rotary_dim // 2} positive finite float32 numbers (one per "
+                              f"RoPE frequency of the {self.rotary_dim} rotated dimensions)")
         if self.rope_scaling is not None:
             raise ConfigError("rope_scaling and rope_freq_factors are both set: one RoPE scaling "
                               "only")
@@ -337,10 +362,6 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     label = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = _Fields(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}, source, label)
     theta = rope.number("rope_theta", _Fields(cfg, source).number("rope_theta", 10000.0))
-    partial = rope.raw.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    if partial is not None and (not is_real(partial) or partial != 1):
-        raise ConfigError(f"{source}: partial_rotary_factor={short_repr(partial)} is not supported "
-                          "(RoPE over the whole head only, 1.0)")
     kind = rope.raw.get("rope_type", rope.raw.get("type"))
     if kind is not None and not isinstance(kind, str):
         raise rope.bad("rope_type", kind, "must be a string")
@@ -349,9 +370,11 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
             raise ConfigError(f"{source}: {label} per layer type is not supported (one RoPE "
                               "for every layer)")
         return theta, None
+    if kind in LONGROPE:  # read by _hf_rope_extent
+        return theta, None
     if kind != "llama3":
         raise ConfigError(f"{source}: {label} type {kind!r} is not supported "
-                          "(supported: none, 'default', 'llama3')")
+                          "(supported: none, 'default', 'llama3', 'longrope')")
     low, high = rope.number("low_freq_factor"), rope.number("high_freq_factor")
     if not high > low:
         raise rope.bad("high_freq_factor", high, f"must be greater than low_freq_factor={low!r}")
@@ -360,6 +383,47 @@ def _hf_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
                                   rope.integer("original_max_position_embeddings"))
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+
+
+LONGROPE = ("longrope", "su")  # "su": its older name, which transformers reads as longrope
+
+
+def _hf_rope_extent(cfg: dict, source: str, head_dim: int, max_pos: int) -> dict[str, Any]:
+    """``rope_dim`` (partial_rotary_factor) and longrope's fields, as transformers reads them:
+    the short factors and the attention factor (given, or ``sqrt(1 + ln(factor) /
+    ln(original))``, factor = max_position_embeddings / original), up to
+    ``original_max_position_embeddings`` (a top-level key wins, as Phi3Config's), past which
+    transformers switches to the long factors (not run here: ``rope_max_context``)."""
+    label = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = _Fields(cfg.get(label) or {}, source, label)
+    where = rope if "partial_rotary_factor" in rope.raw else _Fields(cfg, source)
+    partial = where.raw.get("partial_rotary_factor", 1.0)
+    if not is_real(partial) or not 0 < partial <= 1 or (
+            int(head_dim * partial) % 2 and int(head_dim * partial) != head_dim):
+        raise where.bad("partial_rotary_factor", partial, f"must be in (0, 1] with head_dim "
+                        f"{head_dim} x factor an even number of dimensions")
+    rope_dim = int(head_dim * partial)
+    out = {"rope_dim": 0 if rope_dim == head_dim else rope_dim}
+    if rope.raw.get("rope_type", rope.raw.get("type")) not in LONGROPE:
+        return out
+    top = _Fields(cfg, source)
+    orig = (top.integer("original_max_position_embeddings") if "original_max_position_embeddings"
+            in cfg else rope.integer("original_max_position_embeddings"))
+    short = _factor_list(rope, "short_factor", rope_dim)
+    _factor_list(rope, "long_factor", rope_dim)  # checked as transformers does, never read
+    factor = rope.number("factor", max_pos / orig)
+    default = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 and orig > 1 else 1.0
+    return {**out, "rope_freq_factors": short, "rope_max_context": orig,
+            "rope_attn_factor": rope.number("attention_factor", default)}
+
+
+def _factor_list(rope: _Fields, key: str, rope_dim: int) -> tuple[float, ...]:
+    values = rope._get(key, _REQUIRED)
+    if not (isinstance(values, list) and len(values) == rope_dim // 2
+            and all(is_real(v) and math.isfinite(v) and v > 0 for v in values)):
+        raise rope.bad(key, values, f"must be a list of {rope_dim // 2} positive numbers (one per "
+                       f"frequency of the {rope_dim} rotated dimensions)")
+    return tuple(float(v) for v in values)
 
 
 def _hf_refuse_unsupported(f: _Fields, fam: Family) -> None:
@@ -414,7 +478,7 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm, max_position_embeddings=max_pos,
-        **features)
+        **_hf_rope_extent(cfg, source, head_dim, max_pos), **features)
 
 
 def from_hf_dir(path: str | Path) -> ModelConfig:
@@ -443,12 +507,10 @@ def from_hf_dir(path: str | Path) -> ModelConfig:
 def _gguf_refuse_unsupported(f: _Fields, fam: Family, head_dim: int) -> None:
     """GGUF features that change the math and are not implemented."""
     g = fam.gguf_architecture
-    for key, what in ((f"{g}.attention.value_length", "a value head size"),
-                      (f"{g}.rope.dimension_count", "RoPE dimensions (partial RoPE)")):
-        value = f.integer(key, head_dim)
-        if value != head_dim:
-            raise ConfigError(f"{f.source}: {key}={value}: {what} other than the key head size "
-                              f"{head_dim} is not supported")
+    value = f.integer(f"{g}.attention.value_length", head_dim)
+    if value != head_dim:
+        raise ConfigError(f"{f.source}: {g}.attention.value_length={value}: a value head size "
+                          f"other than the key head size {head_dim} is not supported")
     if f.integer(f"{g}.expert_count", 0, minimum=0):
         raise ConfigError(f"{f.source}: {g}.expert_count={f.raw[f'{g}.expert_count']}: "
                           "mixture-of-experts models are not supported")
@@ -483,6 +545,28 @@ def _gguf_rope_freqs(f: _Fields, head_dim: int) -> tuple | None:
     return tuple(float(v) if is_real(v) else v for v in values)
 
 
+def _gguf_rope_extent(f: _Fields, g: str, head_dim: int) -> dict[str, Any]:
+    """``rope_dim`` from ``<arch>.rope.dimension_count``, and longrope as llama.cpp's converter
+    stores it: the ``rope_factors_short`` / ``_long`` tensors, ``<arch>.rope.scaling.attn_factor``
+    and ``.original_context_length``, within which llama.cpp runs the short factors."""
+    rope_dim = f.integer(f"{g}.rope.dimension_count", head_dim)
+    out = {"rope_dim": 0 if rope_dim == head_dim else rope_dim}
+    if not f.flag("_has_rope_factors", False):
+        return {**out, "rope_freq_factors": _gguf_rope_freqs(f, rope_dim)}
+    if f.flag("_has_rope_freqs", False):
+        raise ConfigError(f"{f.source}: both a rope_freqs tensor and rope_factors_short / _long: "
+                          "one RoPE scaling only; the file is damaged")
+    short = f.raw.get("_rope_factors_short")
+    if not isinstance(short, (list, tuple)) or len(short) != rope_dim // 2:
+        count = len(short) if isinstance(short, (list, tuple)) else "no"
+        raise ConfigError(f"{f.source}: the rope_factors_short tensor holds {count} values; "
+                          f"{g}.rope.dimension_count={rope_dim} needs {rope_dim // 2} (both "
+                          "rope_factors_long and _short, one per RoPE frequency)")
+    return {**out, "rope_freq_factors": tuple(float(v) if is_real(v) else v for v in short),
+            "rope_attn_factor": f.number(f"{g}.rope.scaling.attn_factor", 1.0),
+            "rope_max_context": f.integer(f"{g}.rope.scaling.original_context_length")}
+
+
 def _gguf_family(fields: dict, source: str) -> Family:
     name = fields.get("general.architecture")
     if not isinstance(name, str) or name not in families.BY_GGUF:
@@ -514,6 +598,7 @@ def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelCon
         intermediate_size=f.integer(f"{g}.feed_forward_length"), vocab_size=_gguf_vocab_size(f, g),
         rms_norm_eps=f.number(f"{g}.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=f.number(f"{g}.rope.freq_base", 10000.0),
-        rope_freq_factors=_gguf_rope_freqs(f, head_dim), tie_word_embeddings=not f.flag("_has_output_weight", False),
+        tie_word_embeddings=not f.flag("_has_output_weight", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
-        max_position_embeddings=f.integer(f"{g}.context_length", 4096), **features)
+        max_position_embeddings=f.integer(f"{g}.context_length", 4096),
+        **_gguf_rope_extent(f, g, head_dim), **features)

@@ -21,11 +21,42 @@ def rope_inv_freq(cfg: ModelConfig, sliding: bool = False) -> np.ndarray:
     scaling (``rope_linear_factor``).  ``sliding``: for a sliding layer, whose base is
     ``rope_local_theta`` when set, unscaled."""
     if sliding and cfg.rope_local_theta:
-        return _base_inv_freq(cfg.rope_local_theta, cfg.head_dim)
-    inv = _llama3(cfg, _base_inv_freq(cfg.rope_theta, cfg.head_dim))
+        return _padded(cfg, _base_inv_freq(cfg.rope_local_theta, cfg.rotary_dim))
+    inv = _llama3(cfg, _base_inv_freq(cfg.rope_theta, cfg.rotary_dim))
     if cfg.rope_linear_factor != 1.0:  # positions / factor, as transformers' "linear" type
         inv = (inv / np.float32(cfg.rope_linear_factor)).astype(np.float32)
-    return inv
+    return _padded(cfg, inv)
+
+
+def _padded(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
+    """Partial RoPE's (rotary_dim / 2,) frequencies, then 0 up to head_dim / 2: the kernels
+    rotate the stored pair (i, i + head_dim / 2) by frequency i, and frequency 0 (cos 1, sin 0)
+    passes the unrotated dimensions (:func:`qk_row_order`) unchanged."""
+    return np.concatenate([inv, np.zeros(cfg.head_dim // 2 - inv.size, np.float32)])
+
+
+def qk_row_order(cfg: ModelConfig) -> np.ndarray | None:
+    """(head_dim,) the HF head dimension each stored Q / K row holds, or None (every dimension
+    rotates: HF's order).  HF's partial RoPE rotates pairs (i, i + rotary_dim / 2) of the first
+    rotary_dim dimensions; stored at (i, i + head_dim / 2), the RoPE kernels' pairs, with the
+    unrotated dimensions in the pairs of frequency 0, q . k is unchanged."""
+    d, r = cfg.head_dim, cfg.rotary_dim
+    if r == d:
+        return None
+    half, rest = d // 2, np.arange(r, d)
+    return np.concatenate([np.arange(r // 2), rest[:half - r // 2], np.arange(r // 2, r),
+                           rest[half - r // 2:]])
+
+
+def qk_row_scale(cfg: ModelConfig) -> np.ndarray | None:
+    """(head_dim,) factor of each stored Q / K row, or None (all 1): the rotated rows times
+    ``rope_attn_factor`` (longrope scales cos and sin of the rotated dimensions by it)."""
+    if cfg.rope_attn_factor == 1:
+        return None
+    scale = np.ones(cfg.head_dim, np.float32)
+    half, r = cfg.head_dim // 2, cfg.rotary_dim // 2
+    scale[:r] = scale[half:half + r] = np.float32(cfg.rope_attn_factor)
+    return scale
 
 
 def _llama3(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:

@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .formats import FORMATS, QUANT_FORMATS, USER_FORMATS, by_gguf_type, interleaved
 from .gguf_checks import check_finite_array, check_values, check_vocabulary, open_checked
 from .params import interleave_gate_up, matrix_shapes, param_specs
+from .rope import qk_row_order, qk_row_scale
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ class ModelSource:
                                        specs), specs)
         if self.kind == "hf":
             offset = families.family(self.config.arch).hf_norm_offset
-            return _assemble(self.config, _norm_offset(_hf_getter(self.path), offset), specs)
-        return _assemble(self.config, _gguf_getter(self.path, self.config), specs,
-                         _gguf_raw_getter(self.path, self.config))
+            return _assemble(self.config, _rows_getter(self.config, _norm_offset(
+                _hf_getter(self.path), offset)), specs)
+        return _assemble(self.config, _rows_getter(self.config, _gguf_getter(self.path,
+                         self.config)), specs,
+                         _rows_raw(self.config, _gguf_raw_getter(self.path, self.config)))
 
 
 def resolve_model(model: str | ModelSource | None) -> ModelSource:
@@ -269,7 +272,7 @@ def _hf_source(path: Path) -> ModelSource:
     cfg = config_mod.from_hf_dir(path)
     files, tensors = _hf_tensors(path)
     where = [str(f) for f in files]
-    _check_tensors(cfg, lambda name: tensors.get(name), lambda name: f"tensor {name} is "
+    _check_tensors(cfg, _rows_found(cfg, tensors.get), lambda name: f"tensor {name} is "
                    f"missing from {where}")
     side = [path / name for name in HF_SIDE_FILES if (path / name).is_file()]
     return ModelSource("hf", path, cfg, _sha256_files(files + side, root=path),
@@ -446,6 +449,89 @@ def _norm_offset(get, offset: float):
     return shifted
 
 
+# ---------------------------------------------------------------------------- row views
+
+_MODULE_ROWS = {"self_attn.q_proj": "q_size", "self_attn.k_proj": "kv_size",
+                "self_attn.v_proj": "kv_size", "mlp.gate_proj": "intermediate_size",
+                "mlp.up_proj": "intermediate_size"}
+
+
+def stored_rows(cfg: ModelConfig, hf_name: str) -> tuple[str, slice | None, int]:
+    """``(tensor, rows, its row count)``: where a family that fuses modules (``Family.fused``:
+    Phi-3's ``qkv_proj``, ``gate_up_proj``) keeps ``hf_name``'s rows; ``(hf_name, None, 0)``
+    where it is its own tensor."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.weight", hf_name)
+    for fused, parts in families.family(cfg.arch).fused.items():
+        if m and m[2] in parts:
+            sizes = [getattr(cfg, _MODULE_ROWS[part]) for part in parts]
+            start = sum(sizes[:parts.index(m[2])])
+            return (f"{m[1]}{fused}.weight", slice(start, start + sizes[parts.index(m[2])]),
+                    sum(sizes))
+    return hf_name, None, 0
+
+
+def _qk_rows(cfg: ModelConfig, hf_name: str, rows: np.ndarray, scale: bool = True):
+    """Q / K rows (float or block bytes) per head in the order the RoPE kernels rotate
+    (``rope.qk_row_order``: partial RoPE), the rotated ones times longrope's attention factor
+    (``rope.qk_row_scale``, with ``scale``); other tensors as they are."""
+    if hf_name.split(".")[-2] not in ("q_proj", "k_proj"):
+        return rows
+    order, factor = qk_row_order(cfg), qk_row_scale(cfg) if scale else None
+    if order is None and factor is None:
+        return rows
+    heads = cfg.n_q_heads if ".q_proj." in hf_name else cfg.n_kv_heads
+    per_head = rows.reshape(heads, cfg.head_dim, *rows.shape[1:])
+    if order is not None:
+        per_head = per_head[:, order]
+    if factor is not None:
+        per_head = per_head * factor.reshape(1, -1, *[1] * (rows.ndim - 1))
+    return np.ascontiguousarray(per_head.reshape(rows.shape))
+
+
+def _fused_rows(stored: str, array, rows: slice, total: int, where: str):
+    if array.shape[0] != total:
+        raise WeightsError(f"{stored} in {where}: {array.shape[0]} rows, the config expects "
+                           f"{total}")
+    return array[rows]
+
+
+def _rows_getter(cfg: ModelConfig, get):
+    """``get(hf_name)`` read through :func:`stored_rows` and :func:`_qk_rows`."""
+    def view(name: str) -> tuple[np.ndarray, str]:
+        stored, rows, total = stored_rows(cfg, name)
+        array, where = get(stored)
+        if rows is not None:
+            array = _fused_rows(stored, array, rows, total, where)
+        return _qk_rows(cfg, name, array), where
+    return view
+
+
+def _rows_raw(cfg: ModelConfig, raw):
+    """``raw(hf_name, format)`` read through :func:`stored_rows` and :func:`_qk_rows`; Q / K to
+    scale by an attention factor come as None (dequantized, scaled and stored again)."""
+    def view(name: str, fmt: str):
+        stored, rows, total = stored_rows(cfg, name)
+        if qk_row_scale(cfg) is not None and name.split(".")[-2] in ("q_proj", "k_proj"):
+            return None
+        array = raw(stored, fmt)
+        if array is not None and rows is not None:
+            array = _fused_rows(stored, array, rows, total, "the GGUF file")
+        return None if array is None else _qk_rows(cfg, name, array, scale=False)
+    return view
+
+
+def _rows_found(cfg: ModelConfig, found):
+    """``found(hf_name)`` of :func:`_check_tensors` through :func:`stored_rows`: a fused
+    tensor's part has its rows' shape when the tensor has the rows the config expects."""
+    def view(name: str):
+        stored, rows, total = stored_rows(cfg, name)
+        got = found(stored)
+        if got is None or rows is None or got[0][0] != total:
+            return got
+        return [rows.stop - rows.start, *got[0][1:]], *got[1:]
+    return view
+
+
 def _hf_getter(path: Path):
     """``get(hf_name) -> (float32 array, file)`` over an HF safetensors checkpoint, read with
     numpy (bfloat16 widened by a shift: exact), so building from a checkpoint needs no torch."""
@@ -524,7 +610,8 @@ def _gguf_reader(path: Path, _mtime_ns: int, _size: int):
 def gguf_fields(path: str | Path) -> dict[str, Any]:
     """GGUF metadata as plain Python values, plus ``_has_output_weight`` (an untied lm_head),
     ``_has_rope_freqs`` and ``_rope_freqs`` (llama3-style RoPE scaling stored as a tensor: the
-    divisor of each RoPE frequency, as floats)."""
+    divisor of each RoPE frequency, as floats), ``_has_rope_factors`` and
+    ``_rope_factors_short`` (longrope's short factors: the ``rope_factors_short`` tensor)."""
     reader = _open_gguf(Path(path))
     try:
         fields = {key: field.contents() for key, field in reader.fields.items()}
@@ -532,18 +619,26 @@ def gguf_fields(path: str | Path) -> dict[str, Any]:
         raise WeightsError(f"{path}: damaged GGUF metadata ({type(e).__name__}: {e}); "
                            "re-download it") from e
     fields["_has_output_weight"] = any(t.name == "output.weight" for t in reader.tensors)
-    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
-    fields["_has_rope_freqs"] = bool(freqs)
-    if freqs:
-        from gguf.quants import dequantize
-
-        try:
-            values = dequantize(freqs[0].data, freqs[0].tensor_type)
-        except NotImplementedError as e:
-            raise WeightsError(f"rope_freqs.weight in {path}: cannot dequantize "
-                               f"{freqs[0].tensor_type.name} ({e})") from e
-        fields["_rope_freqs"] = [float(v) for v in np.asarray(values, np.float64).ravel()]
+    vectors = {t.name: t for t in reader.tensors if t.name in (
+        "rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")}
+    fields["_has_rope_freqs"] = "rope_freqs.weight" in vectors
+    if fields["_has_rope_freqs"]:
+        fields["_rope_freqs"] = _gguf_vector(path, vectors["rope_freqs.weight"])
+    fields["_has_rope_factors"] = any("factors" in name for name in vectors)
+    if "rope_factors_short.weight" in vectors:
+        fields["_rope_factors_short"] = _gguf_vector(path, vectors["rope_factors_short.weight"])
     return fields
+
+
+def _gguf_vector(path, tensor) -> list[float]:
+    from gguf.quants import dequantize
+
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise WeightsError(f"{tensor.name} in {path}: cannot dequantize "
+                           f"{tensor.tensor_type.name} ({e})") from e
+    return [float(v) for v in np.asarray(values, np.float64).ravel()]
 
 
 def _gguf_source(path: Path) -> ModelSource:
@@ -561,7 +656,8 @@ def _gguf_source(path: Path) -> ModelSource:
             return None
         dtype = t.tensor_type if _gguf_dequantizable(t.tensor_type) else None
         return [int(d) for d in t.shape[::-1]], dtype, f"{path} (as {t.name})"
-    _check_tensors(cfg, found, lambda name: f"tensor {gguf_name(name, cfg.arch)} (HF {name}) is missing "
+    _check_tensors(cfg, _rows_found(cfg, found), lambda name: f"tensor "
+                   f"{gguf_name(stored_rows(cfg, name)[0], cfg.arch)} (HF {name}) is missing "
                    f"from {path}")
     check_vocabulary(path, fields, cfg.vocab_size)
     check_values(path, reader)
@@ -638,7 +734,8 @@ def _gguf_raw_getter(path: Path, cfg: ModelConfig):
 def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
     """``{matrix parameter: [GGUF type name of each of its parts]}`` of a GGUF source."""
     tensors = {t.name: t for t in _open_gguf(source.path).tensors}
-    return {name: [tensors[gguf_name(hf, source.config.arch)].tensor_type.name
+    return {name: [tensors[gguf_name(stored_rows(source.config, hf)[0],
+                                     source.config.arch)].tensor_type.name
                    for hf, _shape in _hf_parts(source.config, name)]
             for name in matrix_shapes(source.config)}
 
@@ -683,7 +780,7 @@ def _bf16_format(source: ModelSource, name: str) -> str:
     else float32, which holds every bfloat16 value: a bfloat16 weight is never rounded, flushed
     or overflowed by float16's narrower range."""
     tensors = {t.name: t for t in _open_gguf(source.path).tensors}
-    parts = [tensors[gguf_name(hf, source.config.arch)]
+    parts = [tensors[gguf_name(stored_rows(source.config, hf)[0], source.config.arch)]
              for hf, _shape in _hf_parts(source.config, name)]
     if all(bf16_fits_float16(np.asarray(t.data).view(np.uint16)) for t in parts
            if t.tensor_type.name == "BF16"):

@@ -109,9 +109,11 @@ def family_gguf(tmp_path_factory, request):
 def test_registry_maps_every_name_to_its_family():
     assert {a: f.name for a, f in arch.BY_HF.items()} == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+        "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
     assert {a: f.name for a, f in arch.BY_GGUF.items()} == {
-        "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+        "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+        "gemma3": "gemma3", "phi3": "phi3"}
     assert weights.gguf_name("model.layers.1.self_attn.k_norm.weight") == "blk.1.attn_k_norm.weight"
     assert weights.gguf_name("model.layers.0.self_attn.q_proj.bias") == "blk.0.attn_q.bias"
 

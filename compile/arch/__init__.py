@@ -92,6 +92,9 @@ class Family:
     final_softcap_key: str | None = None
     sliding_pattern: int = 0
     rope_per_layer_type: bool = False
+    # HF module holding the rows of several shared ones, in order (Phi-3's qkv_proj: q_proj,
+    # k_proj, v_proj), read as their rows (``weights.stored_rows``)
+    fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_local_rope_theta: float | None = None
 
     def __post_init__(self):
@@ -108,9 +111,9 @@ class Family:
 
 
 def _families() -> dict[str, Family]:
-    from . import gemma2, gemma3, llama, mistral, qwen2, qwen3
+    from . import gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 
-    return {m.FAMILY.name: m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3)}
+    return {m.FAMILY.name: m.FAMILY for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3)}
 
 
 FAMILIES: Mapping[str, Family] = MappingProxyType(_families())

@@ -1,0 +1,208 @@
+"""Phi-3 / Phi-4-mini (compile/arch/phi3.py): fused qkv_proj and gate_up_proj, partial RoPE and
+longrope's short factors with its attention factor, from the HF folder and from the GGUF that
+llama.cpp's converter writes, against transformers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from paged_decode.compile import config as config_mod
+from paged_decode.compile import rope, weights
+from paged_decode.compile.weights import resolve_model
+from paged_decode.runtime.errors import ConfigError
+
+from .conftest import LOGIT_TOL, _randomize, _save
+from .test_runtime_hf import hf_reference, run_ours
+
+PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
+STEPS = 32
+ORIGINAL = 64  # original_max_position_embeddings: the test's 43 positions stay within it
+SHORT = [1.0, 1.25, 1.875, 2.5, 4.0, 7.5]  # one per frequency of the 12 rotated dimensions
+LONG = [2.0, 3.0, 5.0, 9.0, 17.0, 33.0]
+
+
+@pytest.fixture(scope="session")
+def phi3_ckpt(tmp_path_factory):
+    """Phi3ForCausalLM, float32: GQA 4/2, head_dim 16 of which 12 rotate (Phi-4-mini's
+    partial_rotary_factor 0.75), longrope (max_position_embeddings 64^4, the original 64^1:
+    an attention factor of sqrt(1 + ln(64^3) / ln(64)) = 2), MLP of 88 (a last gate / up run
+    shorter than 16), untied; the factors and rms_norm_eps 2^-20 are exact in float32, so the
+    GGUF has the folder's config (and artifact)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=88, vocab_size=256,
+                     rms_norm_eps=2.0**-20, max_position_embeddings=ORIGINAL**4,
+                     original_max_position_embeddings=ORIGINAL, partial_rotary_factor=0.75,
+                     rope_scaling={"type": "longrope", "short_factor": SHORT,
+                                   "long_factor": LONG},
+                     tie_word_embeddings=False, sliding_window=None, pad_token_id=0,
+                     bos_token_id=1, eos_token_id=2)
+    model = Phi3ForCausalLM(cfg)
+    _randomize(model, seed=6)
+    return _save(model, tmp_path_factory, "phi3")
+
+
+def write_phi3_gguf(path, ckpt):
+    """A float32 GGUF of ``ckpt`` as convert_hf_to_gguf's Phi3MiniModel writes it: its metadata
+    (rope.dimension_count = int(partial x hidden) / heads, the original context, the sliding
+    window 0 for none, the attention factor it computes), ``rope_factors_long`` / ``_short``,
+    ``attn_qkv`` and ``ffn_up`` (gate then up) as HF fuses them; a byte-level vocabulary so the
+    file loads as a model."""
+    import gguf
+    from transformers import AutoConfig
+
+    hc = AutoConfig.from_pretrained(ckpt.path)
+    rp = hc.rope_parameters
+    w = gguf.GGUFWriter(path, "phi3")
+    w.add_context_length(hc.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_embedding_length(hc.hidden_size)
+    w.add_feed_forward_length(hc.intermediate_size)
+    w.add_block_count(hc.num_hidden_layers)
+    w.add_head_count(hc.num_attention_heads)
+    w.add_head_count_kv(hc.num_key_value_heads)
+    w.add_layer_norm_rms_eps(hc.rms_norm_eps)
+    w.add_rope_dimension_count(int(rp["partial_rotary_factor"] * hc.hidden_size)
+                               // hc.num_attention_heads)
+    w.add_rope_freq_base(rp["rope_theta"])
+    w.add_sliding_window(hc.sliding_window or 0)
+    scale = hc.max_position_embeddings / rp["original_max_position_embeddings"]
+    w.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
+    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
+    w.add_tokenizer_model("gpt2")
+    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    w.add_token_list(alphabet + [f"<{i}>" for i in range(hc.vocab_size - len(alphabet))])
+    for hf_name, value in ckpt.state.items():
+        w.add_tensor(weights.gguf_name(hf_name, "phi3"), np.ascontiguousarray(value, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def phi3_gguf(tmp_path_factory, phi3_ckpt):
+    # named as the folder: the equal config reuses the folder's artifact
+    return write_phi3_gguf(tmp_path_factory.mktemp("phi3_gguf") / f"{phi3_ckpt.path.name}.gguf",
+                           phi3_ckpt)
+
+
+def test_config_reads_partial_rope_and_longrope(phi3_ckpt):
+    """rope_dim, the short factors, the attention factor and the original context as
+    transformers reads them; the RoPE table's rotated frequencies are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = resolve_model(str(phi3_ckpt.path)).config
+    assert (cfg.arch, cfg.head_dim, cfg.rope_dim, cfg.rope_max_context) == ("phi3", 16, 12, 64)
+    assert cfg.rope_freq_factors == tuple(SHORT) and cfg.rope_scaling is None
+    hf = AutoModelForCausalLM.from_pretrained(phi3_ckpt.path, dtype=torch.float32).model.rotary_emb
+    assert cfg.rope_attn_factor == pytest.approx(hf.attention_scaling, rel=1e-12)
+    assert cfg.rope_attn_factor == 2.0
+    inv = rope.rope_inv_freq(cfg)
+    np.testing.assert_allclose(inv[:6], hf.inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert (inv[6:] == 0).all()
+
+
+def test_stored_qk_rows_keep_partial_rope_scores():
+    """The stored Q / K rows (rope.qk_row_order / qk_row_scale) rotated as the kernels rotate
+    (pair (i, i + head_dim / 2) by frequency i) give transformers' partial-RoPE q . k, scaled
+    rotated dimensions included, at every position (numpy, float64)."""
+    cfg = config_mod.ModelConfig(name="t", arch="phi3", hidden_size=64, n_layers=1, n_q_heads=4,
+                                 n_kv_heads=2, head_dim=16, intermediate_size=32, vocab_size=8,
+                                 rope_dim=12, rope_attn_factor=1.3)
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal(16), rng.standard_normal(16)
+    inv = rope.rope_inv_freq(cfg).astype(np.float64)
+    order, scale = rope.qk_row_order(cfg), rope.qk_row_scale(cfg).astype(np.float64)
+
+    def hf_rope(x, pos):  # transformers' apply_rotary_pos_emb over the first 12 dimensions
+        rot, rest = x[:12], x[12:]
+        f = np.concatenate([inv[:6], inv[:6]]) * pos
+        half = np.concatenate([-rot[6:], rot[:6]])
+        scaled = (rot * np.cos(f) + half * np.sin(f)) * float(np.float32(1.3))
+        return np.concatenate([scaled, rest])
+
+    def kernel_rope(x, pos):  # the RoPE kernels' pairs over the stored rows
+        s, c, n = x[order] * scale, np.cos(inv * pos), np.sin(inv * pos)
+        return np.concatenate([s[:8] * c - s[8:] * n, s[8:] * c + s[:8] * n])
+
+    for pos in (0, 5, 37):
+        for kpos in (0, 3, pos):
+            np.testing.assert_allclose(kernel_rope(q, pos) @ kernel_rope(k, kpos),
+                                       hf_rope(q, pos) @ hf_rope(k, kpos), rtol=1e-12)
+
+
+def test_gguf_form_reads_as_the_hf_form(phi3_ckpt, phi3_gguf):
+    """The converter's GGUF has the folder's config, and every parameter is equal: the fused
+    attn_qkv / ffn_up split and regrouped as the folder's qkv_proj / gate_up_proj."""
+    hf, source = resolve_model(str(phi3_ckpt.path)), resolve_model(str(phi3_gguf))
+    assert source.kind == "gguf"
+    assert source.config.shape_dict() == hf.config.shape_dict()
+    ours, ref = source.load_params("float32"), hf.load_params("float32")
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        np.testing.assert_array_equal(ours[name], ref[name], err_msg=name)
+    # the gate / up halves of gate_up_proj land in w_gate_up's runs, unscaled
+    from paged_decode.compile.params import split_gate_up
+
+    gate, up = split_gate_up(ref["layers.1.w_gate_up"])
+    fused = phi3_ckpt.state["model.layers.1.mlp.gate_up_proj.weight"]
+    np.testing.assert_array_equal(gate, fused[:88])
+    np.testing.assert_array_equal(up, fused[88:])
+    v_rows = phi3_ckpt.state["model.layers.0.self_attn.qkv_proj.weight"][64 + 32:]
+    np.testing.assert_array_equal(ref["layers.0.wqkv"][64 + 32:], v_rows)
+
+
+@pytest.mark.parametrize("form", ["hf", "gguf"])
+def test_generates_as_transformers(request, load, phi3_ckpt, form):
+    """32 greedy tokens from the folder and from its GGUF equal transformers' on the folder,
+    logits within LOGIT_TOL at every step."""
+    path = phi3_ckpt.path if form == "hf" else request.getfixturevalue("phi3_gguf")
+    artifact, weights_ = load(path, block_size=4, max_context=ORIGINAL)
+    ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
+    ref = hf_reference(phi3_ckpt.path, PROMPT, tokens)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        np.testing.assert_allclose(a, b, atol=LOGIT_TOL["float32"], rtol=0, err_msg=f"step {step}")
+    assert tokens == [int(np.argmax(r)) for r in ref[:-1]]
+
+
+def test_context_past_the_original_is_refused(phi3_ckpt):
+    """Past original_max_position_embeddings transformers and llama.cpp switch to the long
+    factors, which are not run: such an artifact is a ConfigError naming the fix, before
+    anything builds; the default context stays within it."""
+    from paged_decode.compile.api import key_of
+
+    with pytest.raises(ConfigError, match=r"68 tokens .*original_max_position_embeddings "
+                                          r"\(64\).*--max-context <= 64"):
+        key_of(str(phi3_ckpt.path), target="llvm", block_size=4, max_context=65)
+    with pytest.raises(ConfigError, match=r"--max-blocks-cap <= 16"):
+        key_of(str(phi3_ckpt.path), target="llvm", block_size=4, max_blocks_cap=17)
+    assert key_of(str(phi3_ckpt.path), target="llvm", block_size=4)["key"]["max_blocks_cap"] == 16
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(partial_rotary_factor=0.7), r"partial_rotary_factor=0.7: must be in \(0, 1\]"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": SHORT[:5], "long_factor": LONG}),
+     r"rope_scaling.short_factor=.*list of 6 positive numbers"),
+    (dict(rope_scaling={"type": "longrope", "short_factor": SHORT}), r"lacks .*'long_factor'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0}), r"type 'yarn' is not supported"),
+])
+def test_bad_rope_fields_are_refused(phi3_ckpt, change, match):
+    import json
+
+    cfg = json.loads((phi3_ckpt.path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update({"rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+                "partial_rotary_factor": 0.75})
+    assert config_mod.from_hf_dict(cfg, "phi3").rope_dim == 12  # the config before the change
+    with pytest.raises(ConfigError, match=match):
+        config_mod.from_hf_dict({**cfg, **change}, "phi3")
