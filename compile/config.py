@@ -476,7 +476,7 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
         intermediate_size=f.integer("intermediate_size"), vocab_size=f.integer("vocab_size"),
         rms_norm_eps=f.number("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=theta, rope_scaling=scaling,
-        tie_word_embeddings=f.flag("tie_word_embeddings", False),
+        tie_word_embeddings=f.flag("tie_word_embeddings", fam.hf_tied),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm, max_position_embeddings=max_pos,
         **_hf_rope_extent(cfg, source, head_dim, max_pos), **features)
 

@@ -96,6 +96,7 @@ class Family:
     # k_proj, v_proj), read as their rows (``weights.stored_rows``)
     fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_local_rope_theta: float | None = None
+    hf_tied: bool = False  # the config class's tie_word_embeddings default
 
     def __post_init__(self):
         if self.sliding not in SLIDING_POLICIES:

@@ -34,4 +34,5 @@ FAMILY = Family(
     sliding="layer_types",
     sliding_pattern=2,
     gguf_layer_tensors=GGUF_TENSORS,
+    hf_tied=True,
 )

@@ -27,7 +27,8 @@ FAMILY = Family(
     sliding="layer_types",
     sliding_pattern=6,
     rope_per_layer_type=True,
-    gguf_local_rope_theta=10000.0,  # llama.cpp's fixed base of the sliding layers
+    gguf_local_rope_theta=10000.0,
+    hf_tied=True,  # llama.cpp's fixed base of the sliding layers
     gguf_layer_tensors={**GGUF_TENSORS, "self_attn.q_norm": "attn_q_norm",
                         "self_attn.k_norm": "attn_k_norm"},
 )
