@@ -27,13 +27,15 @@ _EOT_NAMES = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
 
 
 def spm_tokenizer(fields: dict, source: str):
-    """The ``tokenizers.Tokenizer`` of a SentencePiece GGUF vocabulary (``fields``: its metadata)."""
+    """The ``tokenizers.Tokenizer`` of a SentencePiece GGUF vocabulary (``fields``: metadata)."""
     from tokenizers import Tokenizer, models
 
     arch = fields.get("general.architecture")
     tokens = fields.get("tokenizer.ggml.tokens")
     if not tokens:
-        raise ConfigError(f"{source}: GGUF metadata has no tokenizer.ggml.tokens")
+        raise ConfigError(f"{source}: tokenizer.ggml.model='llama' (SentencePiece) but the GGUF "
+                          "metadata has no tokenizer.ggml.tokens; convert the model again with "
+                          "llama.cpp's convert_hf_to_gguf.py")
     tokens, priority = _spelling_and_priority(tokens, fields, arch, source)
     vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling keeps its last id
     unk = _token(tokens, fields.get("tokenizer.ggml.unknown_token_id")) if arch in _GEMMA else None
