@@ -7,7 +7,41 @@ the buffers its variant does not have.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from tvm.script import tirx as T
+
+from paged_decode.runtime.errors import ConfigError
+
+
+def attention_options(D: int, max_context: int, window: int, softcap: float, scale: float):
+    """``(window, softcap, scale, tag)`` of an attention kernel's keyword options: ``window``
+    (0: unlimited) the positions a query sees, itself and the ``window - 1`` before it (one of
+    at least ``max_context`` positions is unlimited: no query sees further back);
+    ``softcap`` (0: none) the cap of ``softcap * tanh(s / softcap)`` on each scaled score;
+    ``scale`` (0: ``1 / sqrt(D)``) the q.k multiplier, returned resolved.  ``tag`` is what the
+    kernel's global_symbol appends: empty at the defaults (an explicit ``1 / sqrt(D)`` is the
+    default), so a full-attention kernel keeps its name and one module can hold a sliding and a
+    full layer's kernels side by side."""
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+        raise ConfigError(f"attention window {window!r} must be an int >= 0 (0: unlimited)")
+    for name, value in (("softcap", softcap), ("scale", scale)):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"attention {name} {value!r} must be a finite number >= 0 "
+                              f"(0: the default)")
+    window = int(window) if window < max_context else 0
+    default_scale = 1.0 / math.sqrt(D)
+    scale = float(scale) if scale and float(scale) != default_scale else 0.0
+    tag = "".join(f"_{key}{_number_tag(value)}" for key, value in
+                  (("win", window), ("softcap", float(softcap)), ("scale", scale))
+                  if value)
+    return window, float(softcap), scale or default_scale, tag
+
+
+def _number_tag(x) -> str:
+    """A number as identifier characters: 512 -> 512, 0.0625 -> 0p0625, 1e-05 -> 1em05."""
+    return repr(x).replace(".", "p").replace("-", "m").replace("+", "")
 
 
 def gemv_func(body, N: int, K: int, wdt: str, epilogue: str, norm: bool, w_shape=None):

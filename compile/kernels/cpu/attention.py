@@ -8,6 +8,10 @@ Buffers (D = head_dim, group = Hq / Hkv, n symbolic for prefill or 1 for decode)
   decode_dev: context_len as a (1,) int64 buffer (``paged_attention_decode_dev``)
   prefill: start_pos int64   -- query row i sees positions <= start_pos + i (causal)
   -> out (n, Hq D) float32
+Keyword options (``signatures.attention_options``): ``window`` (a query at position q sees
+only q - window < p <= q; the block walk starts at the window's first block, so blocks before it
+are never read nor checked, and only that block's rows before the window are masked),
+``softcap`` (scores capped as softcap * tanh(s / softcap)), ``scale`` (the q.k multiplier).
 The ``group`` query heads of one kv head share every K/V load.  Decode splits a long
 context's blocks among the parallel lanes, each lane taking every head of a block before the
 next block, and merges the lanes' softmax states (see ``PART_ROWS``); prefill splits by (query
@@ -32,6 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..common import cached, dtype_tag, finalize, pick_tile, token_dim
+from ..signatures import attention_options
 from .fastmath import fexp
 from .simd import STACK_BYTES, k_block_view, lane_slice, prefetch_ahead_macro, scratch_buffer
 
@@ -67,10 +72,33 @@ def cvt_width(n: int, cdt: str) -> int:
     return pick_tile(n, (8, 4, 2, 1) if cdt == "float16" else (16, 8, 4, 2, 1))
 
 
-def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
+def first_block(ctx, window: int, bs: int):
+    """The first block the query at position ``ctx - 1`` reads: the one holding position ``ctx -
+    window``, its window's first (0, a Python int that leaves the loops as written, without a
+    window).  Blocks before it are not read at all, so a sliding layer's cost stays flat as the
+    context grows."""
+    return T.max(ctx - window, T.int64(0)) // bs if window else 0
+
+
+def first_row(ctx, b, window: int, bs: int):
+    """The first row of block ``b`` in the window of the query at position ``ctx - 1`` (0 past
+    the window's first block, and without a window)."""
+    return T.max(ctx - window - b * bs, T.int64(0)) if window else 0
+
+
+def ftanh(x):
+    """tanh of a float32 expression through ``fexp`` (vectorisable; LLVM would call libm per
+    lane): ``1 - 2 / (exp(2x) + 1)``, saturating to +-1 where fexp clamps."""
+    one = T.float32(1)
+    return one - T.float32(2) / (fexp(x * T.float32(2)) + one)
+
+
+def _attend_macro(Hq, Hkv, D, bs, cap, cdt, window=0, softcap=0.0, scale=0.0):
     """Attention of the ``group`` query heads sharing kv head ``kvh``: each block's K/V rows come
-    from memory once for the whole group (re-read from L1 per GQ / GV heads)."""
-    G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+    from memory once for the whole group (re-read from L1 per GQ / GV heads).  ``window``,
+    ``softcap``, ``scale`` as ``signatures.attention_options`` resolves them (scale 0:
+    ``1 / sqrt(D)``)."""
+    G, scale = Hq // Hkv, scale or 1.0 / math.sqrt(D)
     DV = cvt_width(D, cdt)
     CW = cvt_width(bs, cdt)  # rows per vector of scores
     # Query heads whose scores (GQ x bs, KP partial sums each) accumulate in registers while
@@ -130,8 +158,29 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         table's next block (``ahead_index``)."""
         ahead(pool_flat(pool), ahead_index(bt, kvh, b, o, ctx))
 
-    def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx
+    def in_context(t, ctx, b):  # whether row ``t`` of block ``b`` is a position < ctx (and
+        # inside the window of the query at ctx - 1)
+        if window:
+            return tirx.all(T.Cast("int64", t) < ctx - b * bs,
+                            T.Cast("int64", t) >= ctx - window - b * bs)
         return T.Cast("int64", t) < ctx - b * bs
+
+    # The rows of block ``b`` in the context (and the window): ``n_rows`` of them from
+    # ``first_row``, loop row ``t`` being block slot ``slot(ctx, b, t)``.  The loops count from
+    # 0: TVM's loop canonicalisation (0.27) loses the outer loop's shift in an inner loop whose
+    # start depends on an outer loop that does not start at 0 (a block loop).
+    def n_rows(ctx, b):
+        if window:
+            return T.min(bs, ctx - b * bs) - first_row(ctx, b, window, bs)
+        return T.min(bs, ctx - b * bs)
+
+    def slot(ctx, b, t):
+        return first_row(ctx, b, window, bs) + t if window else t
+
+    def capped(x):  # a scaled score, soft-capped where the model caps them
+        if softcap:
+            return T.float32(softcap) * ftanh(x * T.float32(1.0 / softcap))
+        return x
 
     def fold(R, gi, t):  # the KP partial sums of one score (an expression)
         total = R[0, gi, t]
@@ -161,7 +210,7 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for v in T.vectorized(CW):
                 s[tc * CW + v, g0 + gi] = T.Select(
                     in_context(tc * CW + v, ctx, b),
-                    fold(R, gi, tc * CW + v) * T.float32(scale), T.float32(-3.0e38))
+                    capped(fold(R, gi, tc * CW + v) * T.float32(scale)), T.float32(-3.0e38))
 
     @T.macro
     def sv_update(v_pool, bt, kvh, b, ctx, s, acc, st):
@@ -174,14 +223,14 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
                 for gi, do in T.grid(GV, D // DV):
                     for v in T.vectorized(DV):
                         a[gi, do * DV + v] = T.float32(0)
-                for t in range(T.min(bs, ctx - b * bs)):
-                    prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead, ctx)
+                for t in range(n_rows(ctx, b)):
+                    prefetch_run(v_pool, bt, kvh, b, slot(ctx, b, t) * D, v_ahead, ctx)
                     for do in T.unroll(D // DV):
                         for gi in T.unroll(GV):
                             for v in T.vectorized(DV):
-                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[t, gv * GV + gi] * (
-                                    T.Cast("float32",
-                                           v_pool[block(bt, b), kvh, t, do * DV + v]))
+                                a[gi, do * DV + v] = a[gi, do * DV + v] + s[
+                                    slot(ctx, b, t), gv * GV + gi] * T.Cast("float32", v_pool[
+                                        block(bt, b), kvh, slot(ctx, b, t), do * DV + v])
                 for gi, do in T.grid(GV, D // DV):
                     for v in T.vectorized(DV):
                         acc[gv * GV + gi, do * DV + v] = (
@@ -191,12 +240,12 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
             for g in range(G):
                 for d in T.vectorized(D):
                     acc[g, d] = acc[g, d] * st[3, g]
-            for t in range(T.min(bs, ctx - b * bs)):
-                prefetch_run(v_pool, bt, kvh, b, t * D, v_ahead, ctx)
+            for t in range(n_rows(ctx, b)):
+                prefetch_run(v_pool, bt, kvh, b, slot(ctx, b, t) * D, v_ahead, ctx)
                 for g in range(G):
                     for d in T.vectorized(D):
-                        acc[g, d] = acc[g, d] + s[t, g] * T.Cast(
-                            "float32", v_pool[block(bt, b), kvh, t, d])
+                        acc[g, d] = acc[g, d] + s[slot(ctx, b, t), g] * T.Cast(
+                            "float32", v_pool[block(bt, b), kvh, slot(ctx, b, t), d])
 
     @T.macro
     def step_one(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s):
@@ -249,19 +298,21 @@ def _attend_macro(Hq, Hkv, D, bs, cap, cdt):
         for t in range(bs):
             for g in T.vectorized(G):
                 s[t, g] = fexp(s[t, g] - st[0, g])
-        for t in range(T.min(bs, ctx - b * bs)):  # rows past the context stay out of it
+        # rows outside the context (and the window) stay out of it
+        for t in range(n_rows(ctx, b)):
             for g in T.vectorized(G):
-                st[1, g] = st[1, g] + s[t, g]
+                st[1, g] = st[1, g] + s[slot(ctx, b, t), g]
         sv_update(v_pool, bt, kvh, b, ctx, s, acc, st)
 
     block_step = step_one if G == 1 else step
 
     @T.macro
     def attend(q, k_pool, v_pool, bt, out, row, kvh, ctx, acc, st, R, s):
-        """Every block of a ``ctx``-row context for kv head ``kvh``'s query heads (query row
-        ``row``), one after the other, into ``out``; scratch as for the block step."""
+        """Every block of a ``ctx``-row context (from the window's first) for kv head ``kvh``'s
+        query heads (query row ``row``), one after the other, into ``out``; scratch as for the
+        block step."""
         init(acc, st)
-        for b in range((ctx + bs - 1) // bs):
+        for b in range(first_block(ctx, window, bs), (ctx + bs - 1) // bs):
             block_step(q, k_pool, v_pool, bt, row, kvh, b, ctx, acc, st, R, s)
         finish(out, row, kvh, acc, st)
 
@@ -278,12 +329,27 @@ def split_parts(n_blocks, bs, lo=min, hi=max, const=int):
               hi(const(2), (n_blocks + part_blocks - 1) // part_blocks))
 
 
-def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
+def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, window, softcap, scale):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
-    ``context_len`` is an int64 expression (a scalar param or ``buf[0]``)."""
-    init, step, attend, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt)
+    ``context_len`` is an int64 expression (a scalar param or ``buf[0]``).  The checks, the
+    parallel split and the parts cover the blocks the query reads: from the window's first."""
+    init, step, attend, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt, window, softcap, scale)
     acc_shape, st_shape, r_shape, s_shape = shapes
     G = Hq // Hkv
+
+    def first(ctx):  # the first block read (0 without a window)
+        return first_block(ctx, window, bs)
+
+    def rows_read(ctx):  # the rows of the blocks read
+        return ctx - first(ctx) * bs if window else ctx
+
+    def blocks_read(n_blocks, ctx):
+        return n_blocks - first(ctx) if window else n_blocks
+
+    def part_start(p, parts, n_blocks, ctx):  # part ``p``'s first block, of ``parts``
+        if window:
+            return first(ctx) + p * blocks_read(n_blocks, ctx) // parts
+        return p * n_blocks // parts
 
     @T.macro
     def merge(out, acc_p, st_p, parts):
@@ -311,10 +377,10 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
     def body(q, k_pool, v_pool, bt, out, context_len):
         assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
         n_blocks = (context_len + bs - 1) // bs
-        for b in range(n_blocks):
+        for b in range(first(context_len), n_blocks):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-        if context_len * Hq * D >= PARALLEL_MIN_WORK:
-            parts = split_parts(n_blocks, bs, T.min, T.max, T.int64)
+        if rows_read(context_len) * Hq * D >= PARALLEL_MIN_WORK:
+            parts = split_parts(blocks_read(n_blocks, context_len), bs, T.min, T.max, T.int64)
             acc_p = T.decl_buffer((MAX_PARTS, Hkv) + acc_shape, "float32")
             st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
             r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
@@ -323,7 +389,8 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
                 for kvh in range(Hkv):
                     init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                          lane_slice(st_p, p * Hkv + kvh, st_shape))
-                for b in range(p * n_blocks // parts, (p + 1) * n_blocks // parts):
+                for b in range(part_start(p, parts, n_blocks, context_len),
+                               part_start(p + 1, parts, n_blocks, context_len)):
                     for kvh in range(Hkv):
                         step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
                              lane_slice(acc_p, p * Hkv + kvh, acc_shape),
@@ -342,10 +409,13 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt):
 
 
 @cached
-def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
-    """One query token per head against context_len cached positions."""
+def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, *,
+                           window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """One query token per head against context_len cached positions (the last ``window`` of
+    them; ``softcap``, ``scale``: ``signatures.attention_options``)."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt)
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, *opts)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -356,14 +426,16 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
         with T.sblock("root"):
             body(q, k_pool, v_pool, bt, out, context_len)
 
-    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")
 
 
 @cached
-def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
+                               *, window: int = 0, softcap: float = 0.0, scale: float = 0.0):
     """``paged_attention_decode`` with ``context_len`` read from a (1,) int64 buffer."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt)
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    body = _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, *opts)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -374,15 +446,19 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
         with T.sblock("root"):
             body(q, k_pool, v_pool, bt, out, context_len[0])
 
-    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
+    return finalize(func,
+                    f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}_dev")
 
 
 @cached
-def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
-    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
-    _, _, attend, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
-    acc_shape, st_shape, r_shape, s_shape = shapes
+def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, *,
+                            window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves;
+    row i over its own window, the last ``window`` positions up to start_pos + i."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
+    window, softcap, scale, tag = attention_options(D, cap * bs, window, softcap, scale)
+    _, _, attend, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt, window, softcap, scale)
+    acc_shape, st_shape, r_shape, s_shape = shapes
     n = token_dim(None)
 
     @T.prim_func(s_tir=True)
@@ -394,7 +470,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
         out = T.match_buffer(var_out, (n, Hq * D), "float32")
         with T.sblock("root"):
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
-            for b in range((start_pos + n + bs - 1) // bs):
+            for b in range(first_block(start_pos + 1, window, bs), (start_pos + n + bs - 1) // bs):
                 assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
             for ik in T.parallel(n * Hkv):  # (query row, kv head) tasks, each over its blocks
                 acc = scratch_buffer(acc_shape)
@@ -404,4 +480,4 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
                 attend(q, k_pool, v_pool, bt, out, ik // Hkv, ik % Hkv, start_pos + ik // Hkv + 1,
                        acc, st, r, scores)
 
-    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")

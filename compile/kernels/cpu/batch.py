@@ -22,8 +22,9 @@ from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
-from ..signatures import attention_batch_func, matmul_func, rope_kv_batch_func
-from .attention import _attend_macro
+from ..signatures import (attention_batch_func, attention_options, matmul_func,
+                          rope_kv_batch_func)
+from .attention import _attend_macro, first_block
 from .fastmath import silu_mul
 from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
@@ -36,12 +37,15 @@ def _row_table(bt, r, cap: int):
     return T.decl_buffer((1, cap), "int32", data=bt.data, elem_offset=r * cap)
 
 
-def _check_rows(B: int, bs: int, cap: int, nb):
+def _check_rows(B: int, bs: int, cap: int, nb, window: int = 0):
+    """Each row's context length and the table entries it reads (those of its last ``window``
+    positions, 0: all)."""
     @T.macro
     def check(bt, context_lens):
         for r in range(B):
             assert 0 <= context_lens[r] and context_lens[r] <= cap * bs, "context_len outside [0, max_blocks_cap * block_size]"
-            for b in range((context_lens[r] + bs - 1) // bs):
+            for b in range(first_block(context_lens[r], window, bs),
+                           (context_lens[r] + bs - 1) // bs):
                 assert 0 <= bt[r, b] and T.Cast("int64", bt[r, b]) < nb, "block table entry outside the pool"
 
     return check
@@ -80,16 +84,18 @@ MIN_ATTN_TASKS = 16
 
 @cached
 def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
-                          B: int):
+                          B: int, *, window: int = 0, softcap: float = 0.0, scale: float = 0.0):
     """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
-    table.  A task is a row and a slice of its kv heads; it walks the row's blocks in table
-    order and, in each block, its heads in turn (each head's online-softmax state kept apart),
-    so it reads each block's K and V runs front to back, one stream the hardware prefetcher
-    follows, rather than one per block (docs/design.md)."""
-    init, step, _, shapes = _attend_macro(Hq, Hkv, D, block_size, cap, cdt)
-    acc_shape, st_shape, r_shape, s_shape = shapes
+    table (the last ``window`` of them; ``softcap``, ``scale``: ``attention_options``).  A task
+    is a row and a slice of its kv heads; it walks the row's blocks in table order (from its
+    window's first) and, in each block, its heads in turn (each head's online-softmax state
+    kept apart), so it reads each block's K and V runs front to back, one stream the hardware
+    prefetcher follows, rather than one per block (docs/design.md)."""
     bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
-    check = _check_rows(B, bs, cap, nb)
+    window, softcap, scale, tag = attention_options(D, cap * bs, window, softcap, scale)
+    init, step, _, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt, window, softcap, scale)
+    acc_shape, st_shape, r_shape, s_shape = shapes
+    check = _check_rows(B, bs, cap, nb, window)
 
     S = min(Hkv, -(-MIN_ATTN_TASKS // B))  # kv-head slices per row
 
@@ -107,7 +113,8 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
                 scores = scratch_buffer(s_shape)
                 for kvh in range(h0(task % S), h0(task % S + 1)):
                     init(lane_slice(acc_all, kvh, acc_shape), lane_slice(st_all, kvh, st_shape))
-                for b in range((context_lens[task // S] + bs - 1) // bs):
+                for b in range(first_block(context_lens[task // S], window, bs),
+                               (context_lens[task // S] + bs - 1) // bs):
                     for kvh in range(h0(task % S), h0(task % S + 1)):
                         step(q, k_pool, v_pool, _row_table(bt, task // S, cap), task // S, kvh,
                              b, context_lens[task // S], lane_slice(acc_all, kvh, acc_shape),
@@ -123,7 +130,7 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
                         out[task // S, kvh * G * D + c] = T.float32(0)
 
     func = attention_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
-    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")
 
 
 # -- small-batch GEMVs ---------------------------------------------------------------------------

@@ -6,6 +6,8 @@ softmax per chunk): thread t scores position ``c NT + t`` (q . k through the blo
 staged in shared memory), a block max and a block sum rescale the running max / sum, and for
 P.V thread t owns dimension ``t % D`` of position group ``t / D``, so a warp reads contiguous
 V rows.  The ``PG`` group accumulators are summed through shared memory at the end.
+With a ``window`` (``signatures.attention_options``, as ``softcap`` and ``scale``) the walk
+starts at the window's first position, so nothing before it is read.
 
 RoPE + KV write: one block per head (q | k | v heads of the qkv row), one thread per rotated
 pair (d, d + D/2); prefill adds the token as a second grid dimension.
@@ -36,23 +38,37 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..common import cached, dtype_tag, token_dim
-from ..signatures import attention_batch_func, rope_kv_batch_func
+from ..signatures import attention_batch_func, attention_options, rope_kv_batch_func
 from .common import block_reduce, finalize
 
 NEG = -3.0e38  # the score of a masked position; exp(NEG - max) is 0
 
 
-def _attend_macro(Hq, Hkv, D, bs, nb):
-    G, scale = Hq // Hkv, 1.0 / math.sqrt(D)
+def _attend_macro(Hq, Hkv, D, bs, nb, window=0, softcap=0.0, scale=0.0):
+    """``window``, ``softcap``, ``scale`` as ``signatures.attention_options`` resolves them."""
+    G, scale = Hq // Hkv, scale or 1.0 / math.sqrt(D)
     PG = max(1, 128 // D)
     NT = D * PG
     block_max = block_reduce(NT, "max", "score_max")
     block_sum = block_reduce(NT, "sum", "prob_sum")
 
+    def at(ctx, i):  # the position of the ``i``-th one walked: from the window's first, which
+        # need not start a block (positions are looked up one by one), so nothing is masked
+        return T.max(ctx - window, T.int64(0)) + i if window else i
+
+    def v_at(ctx, c, j, tx):  # the position whose V row thread ``tx`` reads at step ``j``
+        return at(ctx, c * NT + j * PG + tx // D)
+
+    def walked(ctx):  # how many positions are walked
+        return ctx - T.max(ctx - window, T.int64(0)) if window else ctx
+
+    def capped(x):  # a scaled score, soft-capped where the model caps them
+        return T.float32(softcap) * T.tanh(x / T.float32(softcap)) if softcap else x
+
     @T.macro
     def attend(q, k_pool, v_pool, bt, out, row, h, ctx, qs, ps, accs, mx, sm, st, trow=0):
-        """out[row, h] = softmax(q k^T / sqrt(D)) V over positions [0, ctx) of table row
-        ``trow`` (0 when ``ctx`` is 0: no position, no weight).
+        """out[row, h] = softmax(q k^T * scale) V over positions [0, ctx) (the last ``window``
+        of them) of table row ``trow`` (0 when ``ctx`` is 0: no position, no weight).
 
         st (local): running max, running sum, rescale, this thread's score, its accumulator."""
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -61,18 +77,18 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
             st[0] = T.float32(NEG)
             st[1] = T.float32(0)
             st[4] = T.float32(0)
-        for c in range((ctx + NT - 1) // NT):
+        for c in range((walked(ctx) + NT - 1) // NT):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 st[3] = T.float32(NEG)
-                if c * NT + tx < ctx:
-                    if 0 <= bt[trow, (c * NT + tx) // bs] and T.Cast(
-                            "int64", bt[trow, (c * NT + tx) // bs]) < nb:
+                if at(ctx, c * NT + tx) < ctx:
+                    if 0 <= bt[trow, at(ctx, c * NT + tx) // bs] and T.Cast(
+                            "int64", bt[trow, at(ctx, c * NT + tx) // bs]) < nb:
                         st[3] = T.float32(0)
                         for d in range(D):
                             st[3] = st[3] + qs[d] * T.Cast("float32", k_pool[
-                                T.Cast("int64", bt[trow, (c * NT + tx) // bs]), h // G,
-                                (c * NT + tx) % bs, d])
-                        st[3] = st[3] * T.float32(scale)
+                                T.Cast("int64", bt[trow, at(ctx, c * NT + tx) // bs]), h // G,
+                                at(ctx, c * NT + tx) % bs, d])
+                        st[3] = capped(st[3] * T.float32(scale))
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 block_max(tx, st, 3, mx, 0)
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -86,12 +102,12 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
                 st[1] = st[1] * st[2] + sm[0]
                 st[4] = st[4] * st[2]
                 for j in range(NT // PG):
-                    if c * NT + j * PG + tx // D < ctx:
-                        if 0 <= bt[trow, (c * NT + j * PG + tx // D) // bs] and T.Cast(
-                                "int64", bt[trow, (c * NT + j * PG + tx // D) // bs]) < nb:
+                    if v_at(ctx, c, j, tx) < ctx:
+                        if 0 <= bt[trow, v_at(ctx, c, j, tx) // bs] and T.Cast(
+                                "int64", bt[trow, v_at(ctx, c, j, tx) // bs]) < nb:
                             st[4] = st[4] + ps[j * PG + tx // D] * T.Cast("float32", v_pool[
-                                T.Cast("int64", bt[trow, (c * NT + j * PG + tx // D) // bs]),
-                                h // G, (c * NT + j * PG + tx // D) % bs, tx % D])
+                                T.Cast("int64", bt[trow, v_at(ctx, c, j, tx) // bs]),
+                                h // G, v_at(ctx, c, j, tx) % bs, tx % D])
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
             accs[tx] = st[4]
         for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -104,13 +120,14 @@ def _attend_macro(Hq, Hkv, D, bs, nb):
     return attend, NT
 
 
-def _attention_grid(Hq, Hkv, D, bs, cap, nb, kind: str):
+def _attention_grid(Hq, Hkv, D, bs, cap, nb, kind: str, opts=()):
     """``grid(q, k_pool, v_pool, bt, out, rows, ctx)``: the shared scratch, then one block per
     (row, query head), row i on ``blockIdx.y``.  ``kind`` says what ``ctx`` is: "decode" the
     context length (an int64 expression; one row), "prefill" the start position (row i
     attends over ``ctx + i + 1`` positions), "batch" the (B,) context lengths (row i over
-    ``ctx[i]`` clamped to [0, max_blocks_cap * block_size], through table row i)."""
-    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb)
+    ``ctx[i]`` clamped to [0, max_blocks_cap * block_size], through table row i).  ``opts``:
+    (window, softcap, scale) as ``signatures.attention_options`` resolves them."""
+    attend, NT = _attend_macro(Hq, Hkv, D, bs, nb, *opts)
 
     @T.macro
     def grid(q, k_pool, v_pool, bt, out, rows, ctx):
@@ -136,10 +153,13 @@ def _attention_grid(Hq, Hkv, D, bs, cap, nb, kind: str):
 
 
 @cached
-def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
-    """One query token per head against context_len cached positions."""
+def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, *,
+                           window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """One query token per head against context_len cached positions (the last ``window`` of
+    them; ``softcap``, ``scale``: ``signatures.attention_options``)."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode")
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode", opts)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -151,17 +171,19 @@ def paged_attention_decode(Hq: int, Hkv: int, D: int, block_size: int, cap: int,
             assert 1 <= context_len and context_len <= cap * bs, "context_len outside [1, max_blocks_cap * block_size]"
             grid(q, k_pool, v_pool, bt, out, 1, context_len)
 
-    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")
 
 
 @cached
-def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
+def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
+                               *, window: int = 0, softcap: float = 0.0, scale: float = 0.0):
     """``paged_attention_decode`` with ``context_len`` in a (1,) int64 device buffer.  The
     host cannot assert on device data, so the range check becomes a guard: the context is
     clamped to ``max_blocks_cap * block_size`` (no read past the table) and a context below 1
     attends nothing (the output is 0)."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode")
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "decode", opts)
 
     @T.prim_func(s_tir=True)
     def func(q: T.Buffer((1, Hq * D), "float32"), var_k: T.handle, var_v: T.handle,
@@ -173,14 +195,18 @@ def paged_attention_decode_dev(Hq: int, Hkv: int, D: int, block_size: int, cap: 
             grid(q, k_pool, v_pool, bt, out, 1,
                  T.max(T.min(context_len[0], T.int64(cap * bs)), T.int64(0)))
 
-    return finalize(func, f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}_dev")
+    return finalize(func,
+                    f"attn_dec_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}_dev")
 
 
 @cached
-def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str):
-    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves."""
+def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str, *,
+                            window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """n query tokens (positions start_pos + i), causal over the cached prefix and themselves;
+    row i over its own window, the last ``window`` positions up to start_pos + i."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "prefill")
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "prefill", opts)
     n = token_dim(None)
 
     @T.prim_func(s_tir=True)
@@ -194,7 +220,7 @@ def paged_attention_prefill(Hq: int, Hkv: int, D: int, block_size: int, cap: int
             assert 0 <= start_pos and start_pos + n <= cap * bs, "prompt past max_blocks_cap * block_size"
             grid(q, k_pool, v_pool, bt, out, n, start_pos)
 
-    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_pre_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")
 
 
 def _rope_macro(Hq, Hkv, D, cdt):
@@ -355,12 +381,14 @@ def rope_kv_write_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cd
 
 @cached
 def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, cdt: str,
-                          B: int):
-    """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
-    table row, one block per (row, query head); the context is clamped to [0, max_blocks_cap
-    * block_size] (device data: a guard), and a padding row (context 0) gets zeros."""
+                          B: int, *, window: int = 0, softcap: float = 0.0, scale: float = 0.0):
+    """Row ``r``'s query against its ``context_lens[r]`` cached positions (the last ``window``
+    of them) through its own table row, one block per (row, query head); the context is
+    clamped to [0, max_blocks_cap * block_size] (device data: a guard), and a padding row
+    (context 0) gets zeros."""
     bs, nb = block_size, tirx.Var("num_blocks", "int64")
-    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "batch")
+    *opts, tag = attention_options(D, cap * bs, window, softcap, scale)
+    grid = _attention_grid(Hq, Hkv, D, bs, cap, nb, "batch", opts)
 
     @T.macro
     def body(q, k_pool, v_pool, bt, context_lens, out):
@@ -368,4 +396,4 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
 
     func = attention_batch_func(body, Hq, Hkv, D, bs, cap, cdt, B, nb)
 
-    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}")
+    return finalize(func, f"attn_bat{B}_q{Hq}kv{Hkv}d{D}_bs{bs}_cap{cap}_{dtype_tag(cdt)}{tag}")
