@@ -48,12 +48,13 @@ def phi3_ckpt(tmp_path_factory):
     return _save(model, tmp_path_factory, "phi3")
 
 
-def write_phi3_gguf(path, ckpt):
+def write_phi3_gguf(path, ckpt, qtype=None):
     """A float32 GGUF of ``ckpt`` as convert_hf_to_gguf's Phi3MiniModel writes it: its metadata
     (rope.dimension_count = int(partial x hidden) / heads, the original context, the sliding
     window 0 for none, the attention factor it computes), ``rope_factors_long`` / ``_short``,
     ``attn_qkv`` and ``ffn_up`` (gate then up) as HF fuses them; a byte-level vocabulary so the
-    file loads as a model."""
+    file loads as a model.  ``qtype``: matrices of whole 32-weight rows quantized to it (gguf's
+    quantizer)."""
     import gguf
     from transformers import AutoConfig
 
@@ -61,7 +62,7 @@ def write_phi3_gguf(path, ckpt):
     rp = hc.rope_parameters
     w = gguf.GGUFWriter(path, "phi3")
     w.add_context_length(hc.max_position_embeddings)
-    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(hc.original_max_position_embeddings)
     w.add_embedding_length(hc.hidden_size)
     w.add_feed_forward_length(hc.intermediate_size)
     w.add_block_count(hc.num_hidden_layers)
@@ -72,16 +73,23 @@ def write_phi3_gguf(path, ckpt):
                                // hc.num_attention_heads)
     w.add_rope_freq_base(rp["rope_theta"])
     w.add_sliding_window(hc.sliding_window or 0)
-    scale = hc.max_position_embeddings / rp["original_max_position_embeddings"]
-    w.add_rope_scaling_attn_factors(
-        math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
-    w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
-    w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
+    if rp.get("long_factor"):
+        scale = hc.max_position_embeddings / rp["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
     w.add_tokenizer_model("gpt2")
     alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
     w.add_token_list(alphabet + [f"<{i}>" for i in range(hc.vocab_size - len(alphabet))])
     for hf_name, value in ckpt.state.items():
-        w.add_tensor(weights.gguf_name(hf_name, "phi3"), np.ascontiguousarray(value, np.float32))
+        if hf_name == "lm_head.weight" and hc.tie_word_embeddings:
+            continue
+        value, name = np.ascontiguousarray(value, np.float32), weights.gguf_name(hf_name, "phi3")
+        if qtype is not None and value.ndim == 2 and value.shape[1] % 32 == 0:  # else F32
+            w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -90,10 +98,35 @@ def write_phi3_gguf(path, ckpt):
 
 
 @pytest.fixture(scope="session")
-def phi3_gguf(tmp_path_factory, phi3_ckpt):
-    # named as the folder: the equal config reuses the folder's artifact
-    return write_phi3_gguf(tmp_path_factory.mktemp("phi3_gguf") / f"{phi3_ckpt.path.name}.gguf",
-                           phi3_ckpt)
+def phi3_window_ckpt(tmp_path_factory):
+    """Phi-3-mini's layout: RoPE over the whole head, no scaling, a window on every layer (8,
+    shorter than the test's 43 positions), MHA-free GQA 4/2, tied embeddings."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=96, vocab_size=256,
+                     rms_norm_eps=2.0**-20, max_position_embeddings=ORIGINAL,
+                     original_max_position_embeddings=ORIGINAL, sliding_window=8,
+                     tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = Phi3ForCausalLM(cfg)
+    _randomize(model, seed=7)
+    return _save(model, tmp_path_factory, "phi3_window")
+
+
+@pytest.fixture(scope="session")
+def phi3_gguf(tmp_path_factory, request):
+    """``phi3_gguf(ckpt fixture name)`` -> its converter GGUF, named as the folder: the equal
+    config reuses the folder's artifact."""
+    made = {}
+
+    def get(ckpt: str):
+        if ckpt not in made:
+            saved = request.getfixturevalue(ckpt)
+            path = tmp_path_factory.mktemp("phi3_gguf") / f"{saved.path.name}.gguf"
+            made[ckpt] = write_phi3_gguf(path, saved)
+        return made[ckpt]
+    return get
 
 
 def test_config_reads_partial_rope_and_longrope(phi3_ckpt):
@@ -144,7 +177,7 @@ def test_stored_qk_rows_keep_partial_rope_scores():
 def test_gguf_form_reads_as_the_hf_form(phi3_ckpt, phi3_gguf):
     """The converter's GGUF has the folder's config, and every parameter is equal: the fused
     attn_qkv / ffn_up split and regrouped as the folder's qkv_proj / gate_up_proj."""
-    hf, source = resolve_model(str(phi3_ckpt.path)), resolve_model(str(phi3_gguf))
+    hf, source = resolve_model(str(phi3_ckpt.path)), resolve_model(str(phi3_gguf("phi3_ckpt")))
     assert source.kind == "gguf"
     assert source.config.shape_dict() == hf.config.shape_dict()
     ours, ref = source.load_params("float32"), hf.load_params("float32")
@@ -163,16 +196,50 @@ def test_gguf_form_reads_as_the_hf_form(phi3_ckpt, phi3_gguf):
 
 
 @pytest.mark.parametrize("form", ["hf", "gguf"])
-def test_generates_as_transformers(request, load, phi3_ckpt, form):
+@pytest.mark.parametrize("ckpt", ["phi3_ckpt"])
+def test_generates_as_transformers(request, load, phi3_gguf, ckpt, form):
     """32 greedy tokens from the folder and from its GGUF equal transformers' on the folder,
-    logits within LOGIT_TOL at every step."""
-    path = phi3_ckpt.path if form == "hf" else request.getfixturevalue("phi3_gguf")
+    logits within LOGIT_TOL at every step: partial RoPE with longrope."""
+    folder = request.getfixturevalue(ckpt).path
+    path = folder if form == "hf" else phi3_gguf(ckpt)
     artifact, weights_ = load(path, block_size=4, max_context=ORIGINAL)
     ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
-    ref = hf_reference(phi3_ckpt.path, PROMPT, tokens)
+    ref = hf_reference(folder, PROMPT, tokens)
     for step, (a, b) in enumerate(zip(ours, ref)):
         np.testing.assert_allclose(a, b, atol=LOGIT_TOL["float32"], rtol=0, err_msg=f"step {step}")
     assert tokens == [int(np.argmax(r)) for r in ref[:-1]]
+
+
+def test_quantized_gguf_keeps_the_fused_blocks(tmp_path, phi3_ckpt, phi3_window_ckpt):
+    """A Q8_0 GGUF: the fused attn_qkv / ffn_up blocks are sliced and regrouped byte for byte
+    (V, gate, up; Q / K too where RoPE covers the head); Q / K rows under longrope's attention
+    factor are the file's values reordered, scaled and quantized again."""
+    import gguf
+
+    from paged_decode.compile.formats import FORMATS
+    from paged_decode.compile.params import interleave_gate_up
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for ckpt in (phi3_window_ckpt, phi3_ckpt):
+        path = write_phi3_gguf(tmp_path / f"{ckpt.path.name}.q8_0.gguf", ckpt, q8)
+        source = resolve_model(str(path))
+        down = tuple((f"layers.{i}.w_down", "float32") for i in range(2))  # rows of 88
+        params = source.load_params("q8_0", down if ckpt is phi3_ckpt else ())
+        qkv = gguf.quants.quantize(ckpt.state["model.layers.1.self_attn.qkv_proj.weight"], q8)
+        gate_up = gguf.quants.quantize(ckpt.state["model.layers.1.mlp.gate_up_proj.weight"], q8)
+        inter = source.config.intermediate_size
+        np.testing.assert_array_equal(params["layers.1.w_gate_up"],
+                                      interleave_gate_up(gate_up[:inter], gate_up[inter:]))
+        np.testing.assert_array_equal(params["layers.1.wqkv"][96:], qkv[96:])  # V
+        qk = params["layers.1.wqkv"][:96]
+        if source.config.rope_attn_factor == 1:
+            np.testing.assert_array_equal(qk, qkv[:96])
+        else:  # the file's values through the RoPE row views, then Q8_0 again
+            stored = FORMATS["q8_0"].dequantize(qkv[:96], 64).reshape(6, 16, 64)
+            stored = stored[:, rope.qk_row_order(source.config)] * rope.qk_row_scale(
+                source.config)[:, None]
+            np.testing.assert_array_equal(qk, FORMATS["q8_0"].quantize(
+                stored.reshape(96, 64).astype(np.float32)))
 
 
 def test_context_past_the_original_is_refused(phi3_ckpt):
