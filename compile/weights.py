@@ -526,9 +526,12 @@ def _rows_found(cfg: ModelConfig, found):
     def view(name: str):
         stored, rows, total = stored_rows(cfg, name)
         got = found(stored)
-        if got is None or rows is None or got[0][0] != total:
+        if got is None or rows is None:
             return got
-        return [rows.stop - rows.start, *got[0][1:]], *got[1:]
+        shape, dtype, where = got
+        if shape[0] != total:  # the shape check then names the fused tensor and its rows
+            return shape, dtype, f"{where}: {stored} holds {shape[0]} rows, not {total}"
+        return [rows.stop - rows.start, *shape[1:]], dtype, where
     return view
 
 

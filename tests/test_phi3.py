@@ -242,6 +242,22 @@ def test_quantized_gguf_keeps_the_fused_blocks(tmp_path, phi3_ckpt, phi3_window_
                 stored.reshape(96, 64).astype(np.float32)))
 
 
+def test_fused_tensor_of_other_rows_is_a_weights_error(tmp_path, phi3_ckpt):
+    """A config whose heads do not match the fused qkv_proj's rows fails before anything
+    builds, naming the fused tensor and both row counts."""
+    import json
+    import shutil
+
+    from paged_decode.runtime.errors import WeightsError
+
+    folder = shutil.copytree(phi3_ckpt.path, tmp_path / "phi3_kv1")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, num_key_value_heads=1)))
+    with pytest.raises(WeightsError, match=r"layers\.0\.self_attn\.qkv_proj\.weight holds 128 "
+                                           r"rows, not 96"):
+        resolve_model(str(folder))
+
+
 def test_context_past_the_original_is_refused(phi3_ckpt):
     """Past original_max_position_embeddings transformers and llama.cpp switch to the long
     factors, which are not run: such an artifact is a ConfigError naming the fix, before
