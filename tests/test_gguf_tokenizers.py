@@ -5,6 +5,7 @@ here the way llama.cpp's converter writes one).  The ids equal transformers' tok
 from the same GGUF file; a family's chat template stands in for a missing one."""
 
 import logging
+import re
 from collections import Counter
 
 import gguf
@@ -235,3 +236,32 @@ def test_sentencepiece_vocabulary_without_scores_is_refused(tmp_path):
     del fields["tokenizer.ggml.scores"]
     with pytest.raises(ConfigError, match="tokenizer.ggml.scores, one per token"):
         tokenizer_export._gguf_tokenizer(fields, "tok.gguf")
+
+
+# Where transformers' ids, which these follow, and llama.cpp's differ, by design of each.  Llama
+# 2 style: llama.cpp puts the dummy space before a text that starts with a blank and after every
+# special token (as SentencePiece on the whole text would); transformers' Metaspace does
+# neither.  Gemma: llama.cpp matches its blank-run tokens whole, longest first (31 + rest);
+# transformers merges a run of 32 or more blanks from pairs (16 + 16 + ...).
+LLAMA_CPP_DIFFERS = {
+    ("llama", True): lambda text: re.search(r"^ |(<s>|</s>|<unk>)[^<]", text) is not None,
+    ("llama", False): lambda text: False,  # the file's add_space_prefix=false, as llama.cpp
+    ("phi3", True): lambda text: False,
+    ("gemma3", False): lambda text: " " * 32 in text,
+}
+
+
+@pytest.mark.parametrize("arch, prefix", list(LLAMA_CPP_DIFFERS), ids=lambda v: str(v))
+def test_sentencepiece_ids_against_llama_cpp(tmp_path, arch, prefix, request):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) "
+                                    "is not installed")
+    if arch == "gemma3":  # the exported tokenizer, as the runtime reads it
+        path, ours = request.getfixturevalue("gemma3_gguf"), request.getfixturevalue(
+            "gemma3_tokenizers")[0].backend
+    else:
+        path = _write_spm(tmp_path / "tok.gguf", arch, prefix)
+        ours = tokenizer_export._gguf_tokenizer(gguf_fields(path), str(path))
+    ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    differ = [text for text in CORPUS if ours.encode(text, add_special_tokens=False).ids
+              != ref.tokenize(text.encode(), add_bos=False, special=True)]
+    assert differ == [text for text in CORPUS if LLAMA_CPP_DIFFERS[arch, prefix](text)]
