@@ -196,12 +196,17 @@ def test_gguf_form_reads_as_the_hf_form(phi3_ckpt, phi3_gguf):
 
 
 @pytest.mark.parametrize("form", ["hf", "gguf"])
-@pytest.mark.parametrize("ckpt", ["phi3_ckpt"])
+@pytest.mark.parametrize("ckpt", ["phi3_ckpt", "phi3_window_ckpt"])
 def test_generates_as_transformers(request, load, phi3_gguf, ckpt, form):
     """32 greedy tokens from the folder and from its GGUF equal transformers' on the folder,
-    logits within LOGIT_TOL at every step: partial RoPE with longrope."""
+    logits within LOGIT_TOL at every step: partial RoPE with longrope, and a window of 8
+    (every layer) over 43 positions."""
     folder = request.getfixturevalue(ckpt).path
     path = folder if form == "hf" else phi3_gguf(ckpt)
+    if ckpt == "phi3_window_ckpt":  # GGUF: phi3.attention.sliding_window
+        assert resolve_model(str(path)).config.sliding_window == 8
+        if form == "hf":
+            assert_window_matters(folder, request.getfixturevalue("tmp_path"))
     artifact, weights_ = load(path, block_size=4, max_context=ORIGINAL)
     ours, tokens = run_ours(artifact, weights_, PROMPT, STEPS)
     ref = hf_reference(folder, PROMPT, tokens)
@@ -240,6 +245,21 @@ def test_quantized_gguf_keeps_the_fused_blocks(tmp_path, phi3_ckpt, phi3_window_
                 source.config)[:, None]
             np.testing.assert_array_equal(qk, FORMATS["q8_0"].quantize(
                 stored.reshape(96, 64).astype(np.float32)))
+
+
+def assert_window_matters(folder, tmp_path):
+    """transformers' logits with the window differ from the same weights' without it within
+    the test's positions (the comparison above would catch a window left out)."""
+    import json
+    import shutil
+
+    plain = tmp_path / "no_window"
+    shutil.copytree(folder, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps(dict(cfg, sliding_window=None)))
+    tokens = list(range(20, 20 + STEPS))
+    a, b = hf_reference(folder, PROMPT, tokens), hf_reference(plain, PROMPT, tokens)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 100 * LOGIT_TOL["float32"]
 
 
 def test_fused_tensor_of_other_rows_is_a_weights_error(tmp_path, phi3_ckpt):
