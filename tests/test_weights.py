@@ -282,7 +282,7 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
         alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
         w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
     if rope_scaling:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)  # linear is read, YaRN is not
     for hf_name, value in ckpt.state.items():
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.n_q_heads if ".q_proj." in hf_name else cfg.n_kv_heads
@@ -388,7 +388,7 @@ def test_gguf_tokenizer_unsupported(fields, message):
 def test_gguf_rope_scaling_rejected(llama_ckpt, tmp_path):
     hf = resolve_model(str(llama_ckpt.path)).config
     path = write_llama_gguf(tmp_path / "scaled.gguf", llama_ckpt, hf, rope_scaling=True)
-    with pytest.raises(ConfigError, match="rope.scaling.type='linear'"):
+    with pytest.raises(ConfigError, match="rope.scaling.type='yarn'"):
         resolve_model(str(path))
 
 
