@@ -189,8 +189,11 @@ def test_gguf_metadata_errors():
             "llama.attention.head_count": 4, "llama.block_count": 2,
             "llama.feed_forward_length": 128, "llama.vocab_size": 256}
     assert config.from_gguf_fields(base, "ok", "x.gguf").tie_word_embeddings
-    with pytest.raises(ConfigError, match="'gemma2' is not supported"):
-        config.from_gguf_fields(dict(base, **{"general.architecture": "gemma2"}), "g", "x.gguf")
+    with pytest.raises(ConfigError, match="'mamba' is not supported"):
+        config.from_gguf_fields(dict(base, **{"general.architecture": "mamba"}), "g", "x.gguf")
+    gemma = {k.replace("llama.", "gemma3."): v for k, v in base.items()}
+    with pytest.raises(ConfigError, match="gemma3.attention.sliding_window is missing"):
+        config.from_gguf_fields(dict(gemma, **{"general.architecture": "gemma3"}), "g", "x.gguf")
     with pytest.raises(ConfigError, match="llama.block_count"):
         config.from_gguf_fields({k: v for k, v in base.items() if k != "llama.block_count"},
                                 "b", "x.gguf")
