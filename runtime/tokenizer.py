@@ -172,7 +172,9 @@ def _byte_level_symbols() -> dict[str, int]:
 
 
 def _token_bytes_function(backend: tokenizers.Tokenizer):
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    # the decoder's own state, not the whole tokenizer's JSON: a 262k-token vocabulary's
+    # to_str() takes seconds to write and parse
+    decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder is not None else {}
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
     kinds = {d.get("type") for d in parts}
     special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}

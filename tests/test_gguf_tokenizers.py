@@ -195,7 +195,10 @@ def test_gemma3_vocabulary_encodes_as_transformers(gemma3_tokenizers):
     assert ours.vocab_size == 262144
     for text in CORPUS:
         assert ours.encode(text) == hf.encode(text), text  # BOS (2) first: add_bos_token
-        assert ours.decode(ours.encode(text, add_bos=False)) == text, text
+        ids = ours.encode(text, add_bos=False)
+        assert ours.decode(ids) == text, text
+        # each token's own bytes (streamed logprobs) add up to the text: "\u2581" runs, <0x..>
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode(), text
     assert ours.encode("", add_bos=True) == [2]
     # control and user-defined tokens are matched whole; byte fallback for what has no piece
     assert ours.encode("<start_of_turn>\n\n", add_bos=False) == [105, 108]
