@@ -417,6 +417,19 @@ def _hf_rope_extent(cfg: dict, source: str, head_dim: int, max_pos: int) -> dict
             "rope_attn_factor": rope.number("attention_factor", default)}
 
 
+def fold_attn_factor(rope: dict[str, Any], features: dict[str, Any], head_dim: int
+                     ) -> dict[str, Any]:
+    """``rope`` and ``features`` as one set of fields, longrope's attention factor ``a`` in the
+    score scale (times a^2) where RoPE covers the whole head: every q . k term then carries
+    a^2, and Q / K rows stay as stored (a quantized GGUF's bytes unchanged).  With partial RoPE
+    it stays ``rope_attn_factor`` (the rotated rows only, ``rope.qk_row_scale``)."""
+    a = rope.get("rope_attn_factor", 1.0)
+    if a == 1 or rope.get("rope_dim"):
+        return {**rope, **features}
+    scale = (features.get("attn_scale") or head_dim ** -0.5) * a * a
+    return {**rope, **features, "rope_attn_factor": 1.0, "attn_scale": scale}
+
+
 def _factor_list(rope: _Fields, key: str, rope_dim: int) -> tuple[float, ...]:
     values = rope._get(key, _REQUIRED)
     if not (isinstance(values, list) and len(values) == rope_dim // 2
@@ -478,7 +491,8 @@ def from_hf_dict(cfg: dict, name: str, source: str = "config.json") -> ModelConf
         rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=f.flag("tie_word_embeddings", fam.hf_tied),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm, max_position_embeddings=max_pos,
-        **_hf_rope_extent(cfg, source, head_dim, max_pos), **features)
+        **fold_attn_factor(_hf_rope_extent(cfg, source, head_dim, max_pos), features,
+                           head_dim))
 
 
 def from_hf_dir(path: str | Path) -> ModelConfig:
@@ -601,4 +615,4 @@ def from_gguf_fields(fields: dict[str, Any], name: str, source: str) -> ModelCon
         tie_word_embeddings=not f.flag("_has_output_weight", False),
         attention_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
         max_position_embeddings=f.integer(f"{g}.context_length", 4096),
-        **_gguf_rope_extent(f, g, head_dim), **features)
+        **fold_attn_factor(_gguf_rope_extent(f, g, head_dim), features, head_dim))

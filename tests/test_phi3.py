@@ -99,15 +99,18 @@ def write_phi3_gguf(path, ckpt, qtype=None):
 
 @pytest.fixture(scope="session")
 def phi3_window_ckpt(tmp_path_factory):
-    """Phi-3-mini's layout: RoPE over the whole head, no scaling, a window on every layer (8,
-    shorter than the test's 43 positions), MHA-free GQA 4/2, tied embeddings."""
+    """Phi-3-mini-128k / Phi-3.5-mini's layout: RoPE over the whole head with longrope (its
+    attention factor 2 then scales every q . k term), a window on every layer (8, shorter
+    than the test's 43 positions), GQA 4/2, tied embeddings."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
     cfg = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=96, vocab_size=256,
-                     rms_norm_eps=2.0**-20, max_position_embeddings=ORIGINAL,
+                     rms_norm_eps=2.0**-20, max_position_embeddings=ORIGINAL**4,
                      original_max_position_embeddings=ORIGINAL, sliding_window=8,
+                     rope_scaling={"type": "longrope", "short_factor": SHORT + [1.5, 3.0],
+                                   "long_factor": LONG + [40.0, 64.0]},
                      tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     model = Phi3ForCausalLM(cfg)
     _randomize(model, seed=7)
@@ -143,6 +146,15 @@ def test_config_reads_partial_rope_and_longrope(phi3_ckpt):
     inv = rope.rope_inv_freq(cfg)
     np.testing.assert_allclose(inv[:6], hf.inv_freq.numpy(), rtol=1e-6, atol=0)
     assert (inv[6:] == 0).all()
+
+
+def test_whole_head_longrope_scales_the_scores(phi3_window_ckpt):
+    """Where RoPE covers the head, longrope's attention factor 2 is the score scale's (2^2 /
+    sqrt(16)), leaving Q / K rows as stored."""
+    cfg = resolve_model(str(phi3_window_ckpt.path)).config
+    assert (cfg.rope_dim, cfg.rope_attn_factor, cfg.attn_scale) == (0, 1.0, 1.0)
+    assert cfg.rope_freq_factors == tuple(SHORT + [1.5, 3.0]) and cfg.rope_max_context == 64
+    assert rope.qk_row_order(cfg) is None and rope.qk_row_scale(cfg) is None
 
 
 def test_stored_qk_rows_keep_partial_rope_scores():
@@ -199,8 +211,8 @@ def test_gguf_form_reads_as_the_hf_form(phi3_ckpt, phi3_gguf):
 @pytest.mark.parametrize("ckpt", ["phi3_ckpt", "phi3_window_ckpt"])
 def test_generates_as_transformers(request, load, phi3_gguf, ckpt, form):
     """32 greedy tokens from the folder and from its GGUF equal transformers' on the folder,
-    logits within LOGIT_TOL at every step: partial RoPE with longrope, and a window of 8
-    (every layer) over 43 positions."""
+    logits within LOGIT_TOL at every step: partial RoPE with longrope, and whole-head RoPE with
+    longrope and a window of 8 (every layer) over 43 positions."""
     folder = request.getfixturevalue(ckpt).path
     path = folder if form == "hf" else phi3_gguf(ckpt)
     if ckpt == "phi3_window_ckpt":  # GGUF: phi3.attention.sliding_window
@@ -217,8 +229,9 @@ def test_generates_as_transformers(request, load, phi3_gguf, ckpt, form):
 
 def test_quantized_gguf_keeps_the_fused_blocks(tmp_path, phi3_ckpt, phi3_window_ckpt):
     """A Q8_0 GGUF: the fused attn_qkv / ffn_up blocks are sliced and regrouped byte for byte
-    (V, gate, up; Q / K too where RoPE covers the head); Q / K rows under longrope's attention
-    factor are the file's values reordered, scaled and quantized again."""
+    (V, gate, up; Q / K too where RoPE covers the head, the attention factor then in the score
+    scale); Q / K rows under partial RoPE's attention factor are the file's values reordered,
+    scaled and quantized again."""
     import gguf
 
     from paged_decode.compile.formats import FORMATS
