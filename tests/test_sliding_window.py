@@ -22,6 +22,7 @@ from paged_decode.compile.kernels.cpu.attention import (PARALLEL_MIN_WORK,
                                                         paged_attention_prefill)
 from paged_decode.compile.kernels.cpu.batch import paged_attention_batch
 from paged_decode.compile.kernels.gpu import attention as gpu
+from paged_decode.compile.kernels.signatures import attention_options
 from paged_decode.compile.targets import resolve_target
 from paged_decode.runtime.errors import ConfigError
 
@@ -117,17 +118,18 @@ def _check_decode(factory, shape, cdt, window, softcap=0.0, scale=0.0, dev=False
                                    err_msg=f"context {ctx}, window {window}")
 
 
-@pytest.mark.parametrize("cdt", ["float32", "float16"])
-@pytest.mark.parametrize("shape,window", [
-    (SMALL, 7), (SMALL, 1), (GQA1, 6), (GEMMA16, 25), (GEMMA, 97), (GEMMA, 1)])
-def test_decode_window(cdt, shape, window):
+@pytest.mark.parametrize("shape,window,cdt", [
+    (SMALL, 7, "float32"), (SMALL, 7, "float16"), (SMALL, 1, "float32"), (GQA1, 6, "float16"),
+    (GEMMA16, 25, "float32"), (GEMMA, 97, "float32"), (GEMMA, 97, "float16"),
+    (GEMMA, 1, "float16")])
+def test_decode_window(shape, window, cdt):
     """Windows not a multiple of the block size, of one position; contexts up to four windows
     long.  GEMMA16's 25-position window reads 2-3 blocks, below and above the serial / parallel
     threshold; GEMMA's reads 2-3 64-token blocks in 2 parallel parts."""
     _check_decode(paged_attention_decode, shape, cdt, window)
 
 
-@pytest.mark.parametrize("cdt", ["float32", "float16"])
+@pytest.mark.parametrize("cdt", ["float16"])
 def test_decode_window_over_many_parts(cdt):
     """A 300-position window over 16-token blocks: 19-20 blocks read, split in 3 parallel parts,
     at contexts up to 1200."""
@@ -136,16 +138,15 @@ def test_decode_window_over_many_parts(cdt):
     _check_decode(paged_attention_decode, GEMMA16, cdt, 300)
 
 
-@pytest.mark.parametrize("cdt", ["float32", "float16"])
-@pytest.mark.parametrize("shape,window", [(SMALL, 7), (GEMMA, 97)])
-def test_decode_dev_window(cdt, shape, window):
+@pytest.mark.parametrize("shape,window,cdt", [(SMALL, 7, "float32"), (GEMMA, 97, "float16")])
+def test_decode_dev_window(shape, window, cdt):
     _check_decode(paged_attention_decode_dev, shape, cdt, window, dev=True)
 
 
 @pytest.mark.parametrize("shape,window,softcap,scale,cdt", [
     (SMALL, 0, 3.0, 0.0, "float32"), (SMALL, 0, 0.0, 0.3, "float32"),
-    (SMALL, 7, 3.0, 0.3, "float16"), (GEMMA, 0, 3.0, 0.0, "float32"),
-    (GEMMA, 97, 3.0, 0.3, "float32"), (GQA1, 6, 2.0, 0.0, "float32")])
+    (SMALL, 7, 3.0, 0.3, "float16"), (GEMMA, 97, 3.0, 0.3, "float32"),
+    (GQA1, 6, 2.0, 0.0, "float32")])
 def test_decode_softcap_and_scale(shape, window, softcap, scale, cdt):
     """Soft-capping (scores around +-3 and past, so tanh bends them) and the scale, alone and
     together, with and without a window, serial (SMALL) and in parallel parts (GEMMA)."""
@@ -154,10 +155,11 @@ def test_decode_softcap_and_scale(shape, window, softcap, scale, cdt):
 
 # -- CPU prefill -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cdt", ["float32", "float16"])
-@pytest.mark.parametrize("shape,window,softcap,scale", [
-    (SMALL, 7, 0.0, 0.0), (SMALL, 1, 0.0, 0.0), (GEMMA, 97, 0.0, 0.0), (SMALL, 6, 3.0, 0.3)])
-def test_prefill_window(cdt, shape, window, softcap, scale):
+@pytest.mark.parametrize("shape,window,softcap,scale,cdt", [
+    (SMALL, 7, 0.0, 0.0, "float32"), (SMALL, 7, 0.0, 0.0, "float16"),
+    (SMALL, 1, 0.0, 0.0, "float32"), (GEMMA, 97, 0.0, 0.0, "float16"),
+    (SMALL, 6, 3.0, 0.3, "float32")])
+def test_prefill_window(shape, window, softcap, scale, cdt):
     """Each row over its own window: a prompt from position 0 several windows long, and a
     chunk starting mid-sequence (start_pos past a window), through one kernel."""
     hq, hkv, d, bs = shape
@@ -198,10 +200,10 @@ def _batch_case(rng, shape, cdt, window, ctxs, gpu_layout=False):
     return cap, q, (k, v, tables), (kp, vp, poisoned)
 
 
-@pytest.mark.parametrize("cdt", ["float32", "float16"])
-@pytest.mark.parametrize("shape,window,softcap,scale", [
-    (SMALL, 7, 0.0, 0.0), (GQA1, 1, 0.0, 0.0), (GEMMA, 97, 3.0, 0.0)])
-def test_batch_window(cdt, shape, window, softcap, scale):
+@pytest.mark.parametrize("shape,window,softcap,scale,cdt", [
+    (SMALL, 7, 0.0, 0.0, "float32"), (SMALL, 7, 0.0, 0.0, "float16"),
+    (GQA1, 1, 0.0, 0.0, "float32"), (GEMMA, 97, 3.0, 0.0, "float16")])
+def test_batch_window(shape, window, softcap, scale, cdt):
     """Rows of different lengths (a padding row, one inside the window, one at it, several
     windows long) in one call: each row over its own window."""
     hq, hkv, d, bs = shape
@@ -229,21 +231,34 @@ FACTORIES = [(paged_attention_decode, ()), (paged_attention_decode_dev, ()),
 
 @pytest.mark.parametrize("factory,extra", FACTORIES)
 def test_options_name_the_kernel(factory, extra):
-    """The defaults (and their explicit equivalents: 1 / sqrt(D), a window no context reaches)
-    keep today's kernel and name; any other option is in the name, so a sliding and a full
-    layer's kernels sit in one module."""
+    """At the defaults (or an explicit 1 / sqrt(D)) a kernel is today's, under today's name;
+    with options the name carries them, so a sliding and a full layer's kernels can sit in one
+    module."""
     geo = (4, 1, 16, 4, 8, "float16") + extra  # head_dim 16, 32 positions
+    kind = {"paged_attention_decode": "dec", "paged_attention_decode_dev": "dec",
+            "paged_attention_prefill": "pre", "paged_attention_batch": "bat4"}[factory.__name__]
+    dev = "_dev" if factory.__name__.endswith("_dev") else ""
+    gpu_ = "gpu_" if ".gpu." in factory.__module__ else ""
     base = factory(*geo)
-    for same in (factory(*geo, window=0, softcap=0.0, scale=0.0), factory(*geo, scale=0.25),
-                 factory(*geo, window=32)):
-        assert same.attrs["global_symbol"] == base.attrs["global_symbol"]
-        assert same.script() == base.script()
-    names = {factory(*geo, **kw).attrs["global_symbol"] for kw in (
-        {}, dict(window=5), dict(window=6), dict(softcap=30.0), dict(scale=0.1),
-        dict(window=5, softcap=30.0, scale=0.1), dict(window=31))}
-    assert len(names) == 7, names
-    assert factory(*geo, window=5, softcap=30.0, scale=0.1).attrs["global_symbol"].endswith(
-        "_win5_softcap30p0_scale0p1" + ("_dev" if "dev" in factory.__name__ else ""))
+    assert base.attrs["global_symbol"] == f"{gpu_}attn_{kind}_q4kv1d16_bs4_cap8_f16{dev}"
+    same = factory(*geo, window=32, softcap=0.0, scale=0.25)
+    assert same.attrs["global_symbol"] == base.attrs["global_symbol"]
+    assert same.script() == base.script()
+    assert factory(*geo, window=5, softcap=30.0, scale=0.1).attrs["global_symbol"] == (
+        f"{gpu_}attn_{kind}_q4kv1d16_bs4_cap8_f16_win5_softcap30p0_scale0p1{dev}")
+
+
+def test_option_tags_tell_kernels_apart():
+    """Each option alone and together gives its own tag; the defaults, an explicit 1 / sqrt(D)
+    and a window of at least the table's positions (no query sees further back) give none."""
+    tags = [attention_options(16, 32, *opts)[3] for opts in (
+        (0, 0.0, 0.0), (5, 0.0, 0.0), (6, 0.0, 0.0), (31, 0.0, 0.0), (0, 30.0, 0.0),
+        (0, 0.0, 0.1), (5, 30.0, 0.0), (5, 30.0, 0.1), (0, 50.0, 0.0), (0, 0.0, 1e-5))]
+    assert len(set(tags)) == len(tags), tags
+    assert tags[0] == "" and tags[-1] == "_scale1em05"
+    for same in ((32, 0.0, 0.25), (1000, 0.0, 0.0), (0, 0.0, 0.25)):
+        assert attention_options(16, 32, *same) == (0, 0.0, 0.25, "")
+    assert attention_options(16, 32, 5, 30, 0.0) == (5, 30.0, 0.25, "_win5_softcap30p0")
 
 
 @pytest.mark.parametrize("kw,field", [
