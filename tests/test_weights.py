@@ -276,7 +276,7 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     if formats is None:
-        w.add_tokenizer_model("llama")  # SentencePiece: export_tokenizer refuses it
+        w.add_tokenizer_model("llama")  # no token list: export_tokenizer refuses it
     else:
         w.add_tokenizer_model("gpt2")
         alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
