@@ -13,7 +13,6 @@ from paged_decode.runtime.errors import ConfigError
 
 from .arch import Family
 
-_HF_SLIDING_WINDOW = 4096  # the config classes' default (Mistral, Qwen2, Qwen3, Gemma 2 / 3)
 _HF_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # config.json values the Gemma config classes default when a file leaves them out
@@ -50,7 +49,7 @@ def hf_sliding(f, fam: Family, n_layers: int) -> dict[str, Any]:
 def _hf_sliding_layers(f, fam: Family, n_layers: int) -> tuple[int | None, list[int]]:
     if fam.sliding == "none":
         return None, []
-    window = f.integer("sliding_window", _HF_SLIDING_WINDOW, null=None, minimum=0)
+    window = f.integer("sliding_window", fam.hf_sliding_window, null=None, minimum=0)
     if fam.sliding == "every_layer":
         return window, list(range(n_layers))
     types = _layer_types(f, n_layers)

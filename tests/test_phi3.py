@@ -275,6 +275,20 @@ def assert_window_matters(folder, tmp_path):
     assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 100 * LOGIT_TOL["float32"]
 
 
+def test_config_without_a_window_key_has_none(phi3_window_ckpt):
+    """Phi3Config's sliding_window defaults to None (no window), not the 4096 of Mistral's and
+    Qwen's config classes."""
+    import json
+
+    from transformers import Phi3Config
+
+    cfg = json.loads((phi3_window_ckpt.path / "config.json").read_text())
+    assert config_mod.from_hf_dict(cfg, "w").sliding_window == 8
+    cfg.pop("sliding_window")
+    assert Phi3Config(**cfg).sliding_window is None
+    assert config_mod.from_hf_dict(cfg, "w").sliding_window == 0
+
+
 def test_fused_tensor_of_other_rows_is_a_weights_error(tmp_path, phi3_ckpt):
     """A config whose heads do not match the fused qkv_proj's rows fails before anything
     builds, naming the fused tensor and both row counts."""

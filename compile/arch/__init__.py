@@ -92,6 +92,8 @@ class Family:
     final_softcap_key: str | None = None
     sliding_pattern: int = 0
     rope_per_layer_type: bool = False
+    # a config.json without sliding_window: its config class's default (None: no window)
+    hf_sliding_window: int | None = 4096  # Mistral, Qwen2, Qwen3, Gemma 2 / 3
     # HF module holding the rows of several shared ones, in order (Phi-3's qkv_proj: q_proj,
     # k_proj, v_proj), read as their rows (``weights.stored_rows``)
     fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)

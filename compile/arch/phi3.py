@@ -12,6 +12,7 @@ FAMILY = Family(
     hf_defaults=dict(num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-5,
                      max_position_embeddings=4096),
     sliding="every_layer",
+    hf_sliding_window=None,  # Phi3Config's default
     fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
            "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
     gguf_layer_tensors={**GGUF_LAYER_TENSORS, "self_attn.qkv_proj": "attn_qkv",
