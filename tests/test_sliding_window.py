@@ -29,23 +29,22 @@ from paged_decode.runtime.errors import ConfigError
 from .conftest import TOL
 from .test_kernels import _t, k_slots, slots
 
+# (Hq, Hkv, D, block_size): GQA on small heads; one query head per kv head; Gemma 3 270M's
+# heads (head_dim 256, 4 query heads on 1 kv head) with 16-token blocks and with the CPU
+# default of 64
 SMALL, GQA1, GEMMA16, GEMMA = (4, 2, 16, 4), (2, 2, 16, 4), (4, 1, 256, 16), (4, 1, 256, 64)
-"""(Hq, Hkv, D, block_size): GQA on small heads; one query head per kv head; Gemma 3 270M's
-heads (head_dim 256, 4 query heads on 1 kv head) with 16-token blocks and with the CPU
-default of 64."""
 OPTS = ("window", "softcap", "scale")
+_BUILT: dict = {}  # global_symbol -> the compiled kernel
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(factory, geo: tuple, opts: tuple):
     """``factory(*geo, window=, softcap=, scale=)`` compiled for this CPU, once per symbol."""
     func = factory(*geo, **dict(zip(OPTS, opts)))
-    return _build(func.attrs["global_symbol"], func)
-
-
-@functools.lru_cache(maxsize=None)
-def _build(symbol, func):
-    return tvm.compile(func, target=resolve_target(None).target)[symbol]
+    symbol = func.attrs["global_symbol"]
+    if symbol not in _BUILT:
+        _BUILT[symbol] = tvm.compile(func, target=resolve_target(None).target)[symbol]
+    return _BUILT[symbol]
 
 
 def ref_attention(q, k, v, table, ctx, window=0, softcap=0.0, scale=0.0, gpu_layout=False):
@@ -54,7 +53,8 @@ def ref_attention(q, k, v, table, ctx, window=0, softcap=0.0, scale=0.0, gpu_lay
     store them, or ``[slot, dim]`` as the GPU ones do (``gpu_layout``)."""
     hq, (_, hkv, bs, d) = q.shape[0], k.shape
     pos = np.arange(max(0, ctx - window) if window else 0, ctx)
-    kk = (slots(k) if gpu_layout else k_slots(k))[table[pos // bs], pos % bs].astype(np.float64)  # (positions, Hkv, D)
+    k_view = slots(k) if gpu_layout else k_slots(k)
+    kk = k_view[table[pos // bs], pos % bs].astype(np.float64)  # (positions, Hkv, D)
     vv = slots(v)[table[pos // bs], pos % bs].astype(np.float64)
     out = np.empty((hq, d))
     for h in range(hq):
