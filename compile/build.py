@@ -102,8 +102,8 @@ def _check_rope_context(cfg: ModelConfig, cap: int, block_size: int, by_blocks: 
 # The build side's modules that shape the compiled library (graph, kernels, parameter layout,
 # target and device-code handling).  Weight conversion, the tokenizer export, the cache, the
 # API, the CLI and the benchmark do not: editing them keeps every artifact key.
-FINGERPRINTED = ("build.py", "config.py", "device_code.py", "formats.py", "kernels", "model.py",
-                 "params.py", "rope.py", "targets.py")
+FINGERPRINTED = ("build.py", "config.py", "device_code.py", "format_parts", "formats.py",
+                 "kernels", "model.py", "params.py", "rope.py", "targets.py")
 
 
 def source_fingerprint(root: Path, parts=FINGERPRINTED) -> str:
