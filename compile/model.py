@@ -115,6 +115,8 @@ class _Builder:
         return self.linear(xn, w, n, N, K, bias=bias)
 
     def norm_swiglu(self, x, g, w, n):
+        """The MLP's input norm, gate / up product and gate activation (SiLU fused into the
+        product; GELU-tanh a kernel of its own after it) -> (n, intermediate)."""
         cfg, wdt = self.cfg, self.fmt[w]
         h, inter = cfg.hidden_size, cfg.intermediate_size
         if cfg.gate_act != "silu":  # the product without activation, then the gate kernel

@@ -578,7 +578,8 @@ def _safetensors_spans(path: Path) -> dict[str, tuple[str, tuple[int, ...], int,
 
 def gguf_name(hf_name: str, arch: str | None = None) -> str:
     """llama.cpp's tensor name in family ``arch``'s map (None: the first family naming the
-    module, ``arch.gguf_layer_tensor``): model.layers.3.mlp.up_proj.weight -> blk.3.ffn_up.weight."""
+    module, ``arch.gguf_layer_tensor``): model.layers.3.mlp.up_proj.weight ->
+    blk.3.ffn_up.weight."""
     if hf_name in families.GGUF_GLOBAL_TENSORS:
         return families.GGUF_GLOBAL_TENSORS[hf_name]
     layer, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(\w+)", hf_name).groups()

@@ -8,6 +8,7 @@ elementwise kernels against numpy."""
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -345,3 +346,21 @@ def test_gpu_elementwise_kernels_on_opencl():
     x64 = x.astype(np.float64)
     want = res + x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+def test_gemma_graph_builds_for_a_gpu_target(build, gemma2_ckpt):
+    """The GPU kernel set builds Gemma 2's graph (OpenCL device code, run on no device here):
+    the window on sliding layers only, soft-capped scores, the GELU-tanh gate, the post norms'
+    fused add and the logit soft-cap."""
+    from .test_targets import _library_bytes
+
+    prepared = build(gemma2_ckpt.path, target="opencl", **OPTS)
+    blob = _library_bytes(prepared)
+    for name in (b"gpu_gelu_tanh_gate_dec_88", b"gpu_rmsnorm_add_pre_64",
+                 b"gpu_softcap_dec_256_0p5", b"gpu_scale_dec_64_8"):
+        assert name in blob, name
+    # layer 1 is full, layers 0 and 2 slide: both kernels, each soft-capped and scaled
+    tags = {m.group(1) for m in re.finditer(
+        rb"gpu_attn_dec_q4kv2d32_bs4_cap16_f32(\w*?)_kernel", blob)}
+    for tag in (b"_win8_softcap0p25_scale0p204", b"_softcap0p25_scale0p204"):
+        assert any(t.startswith(tag) for t in tags), (tag, tags)
