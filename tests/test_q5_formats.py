@@ -21,7 +21,7 @@ N_TOKENS = 16
 def smol_q5(request, tmp_path_factory, smollm_gguf, build, load):
     """(kind, GGUF path, artifact, weights, tokenizer): SmolLM2 made ``kind`` by llama.cpp."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (the test extra) makes the file")
-    from bench import baselines
+    from paged_decode.bench import baselines
 
     kind = request.param
     path = tmp_path_factory.mktemp(kind) / f"smollm2-{kind}.gguf"
