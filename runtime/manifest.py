@@ -67,7 +67,7 @@ _RULES = {
 # (all but WebGPU: compile/api.py default_buckets)
 DEFAULT_BATCH_BUCKETS = (2, 4, 8, 16, 32)
 # a stored format's name ends in this where its rows are interleaved in groups (the CPU's
-# layout of q8_0 / q4_0 / q4_1 / q4_k; compile/formats.py): the same format to whoever
+# layout of q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / q4_k / q5_k / q6_k; compile/formats.py): the same format to whoever
 # chooses it
 INTERLEAVED_SUFFIX = "x8"
 # --weight-dtype's llama.cpp k-quant mixes and the k-quant each is made of (with Q6_K)
