@@ -227,7 +227,7 @@ class ModelConfig:
         """Everything that shapes the compiled code, as JSON-ready values (name excluded)."""
         d = dataclasses.asdict(self)
         d.pop("name")
-        return d
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     def n_params(self) -> int:
         h, i = self.hidden_size, self.intermediate_size

@@ -396,9 +396,9 @@ def _safetensors_entries(text: bytes, data_size: int) -> dict[str, tuple[str, tu
         raise ValueError("__metadata__ is not an object of strings")
     entries, spans = {}, []
     for name, e in header.items():
-        dtype, shape, start, end = _safetensors_entry(name, e)
+        dtype, shape, start, end = _safetensors_entry(_named(name), e)
         entries[name] = (dtype, shape)
-        spans.append((start, end, name))
+        spans.append((start, end, _named(name)))
     pos = 0
     for start, end, name in sorted(spans):
         if start != pos:
@@ -408,6 +408,12 @@ def _safetensors_entries(text: bytes, data_size: int) -> dict[str, tuple[str, tu
     if pos != data_size:
         raise ValueError(f"the tensors hold {pos} data bytes, the file {data_size}")
     return entries
+
+
+def _named(name: str) -> str:
+    """A header's tensor name as an error message shows it: quoted where it holds characters
+    that would break the one-line message (a damaged header's names are arbitrary)."""
+    return name if name.isprintable() else config_mod.short_repr(name)
 
 
 def _no_constant(name: str):

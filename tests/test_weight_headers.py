@@ -9,7 +9,7 @@ import shutil
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from paged_decode.compile import weights
@@ -273,6 +273,7 @@ def damaged_safetensors(draw) -> bytes:
 
 @fuzz(400)
 @given(damaged_safetensors() | safetensors_files())
+@example(data=b'\x0c\x00\x00\x00\x00\x00\x00\x00{"\\n": null}\x00\x00\x00\x00')  # a name's newline
 def test_fuzzed_safetensors_header_is_typed_error_or_readable(tmp_path, data):
     """What the check accepts, the safetensors library reads: every tensor, with the header's
     dtype and shape."""
