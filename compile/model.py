@@ -30,7 +30,8 @@ from tvm import relax, tirx
 
 from .config import ModelConfig
 from .formats import FORMATS
-from .kernels.registry import KernelSet, kernels_for
+from .kernels.kernel_set import KernelSet
+from .kernels.registry import kernels_for
 from .params import param_specs
 from .rope import rope_inv_freq
 

@@ -436,8 +436,8 @@ def test_the_matmul_tile_follows_the_targets_vector_registers(mcpu, tile):
     """AVX2 has 16 vector registers: a 4 x 4 tile of 16-lane accumulators would spill there."""
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     kernels = kernels_for("llvm", target)
-    assert kernels.linear.keywords["tile"] == tile
-    assert kernels.linear_swiglu.keywords["tile"] == tile
+    assert kernels.linear.__self__.linear_tile == tile
+    assert kernels.linear_swiglu.__self__.swiglu_tile == tile
 
 
 @pytest.mark.parametrize("mcpu,l2_formats", [
@@ -454,7 +454,7 @@ def test_the_gemv_prefetch_hint_follows_the_target(mcpu, l2_formats):
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     kernels = kernels_for("llvm", target)
-    l2 = kernels.gemv.args[2]
+    l2 = kernels.gemv.__self__.l2_formats
     for wfmt in FORMATS:
         assert prefetch_locality(wfmt, l2) == (L2 if wfmt in l2_formats else NTA), wfmt
     want, other = ("prefetcht1", "prefetchnta") if "float16" in l2_formats else (

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 from ...formats import FORMATS
-from ..registry import KernelSet
+from ..kernel_set import KernelSet
 from . import attention, batch, elementwise, gemv, linear, norm, quant, rope_kv
 from .simd import K_BLOCK_LAYOUT, L2, NTA
 
@@ -22,18 +22,6 @@ def prefetch_locality(wfmt: str, l2_formats=frozenset()) -> int:
     fmt = FORMATS[wfmt]
     named = wfmt in l2_formats or (fmt.grouped and fmt.base.name in l2_formats)
     return L2 if named else NTA
-
-
-def _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs):
-    chosen = quant_factory if FORMATS[wfmt].quantized else float_factory
-    return chosen(rows, K, wfmt, *args, **kwargs)
-
-
-def _by_format(float_factory, quant_factory, **keywords):
-    """A factory ``(rows, K, weight format, ...)`` taking the float kernel for float32 /
-    float16 weights and the block-decoding one for a quantized format; ``keywords`` (the
-    register tile) go to both and stay readable as the partial's ``keywords``."""
-    return functools.partial(_pick, float_factory, quant_factory, **keywords)
 
 
 def has_avx512(target) -> bool:
@@ -64,46 +52,79 @@ def has_avx2(target) -> bool:
     return _cpu_has(target, "avx2")
 
 
-def _pick_gemv(float_factory, quant_factory, l2_formats, rows, K, wfmt, *args, **kwargs):
-    if not FORMATS[wfmt].quantized:
-        kwargs["locality"] = prefetch_locality(wfmt, l2_formats)
-    return _pick(float_factory, quant_factory, rows, K, wfmt, *args, **kwargs)
+@dataclasses.dataclass(frozen=True)
+class WeightKernels:
+    """The CPU's weight-reading factories for one target, by name: the float kernel for
+    float32 / float16 weights, the block-decoding one for a quantized format, each given what
+    the target decides: the matmul register tiles, the int8 dot product (VNNI) and the
+    software prefetch hint of the weight stream (``prefetch_locality``)."""
 
+    linear_tile: tuple[int, int]
+    swiglu_tile: tuple[int, int]
+    l2_formats: frozenset = frozenset()
+    vnni: bool = False
 
-def _gemv_by_format(float_factory, quant_factory, l2_formats):
-    """``_by_format`` for the weight-streaming kernels, whose float factory also takes the
-    target's prefetch hint (the quantized one takes it from ``_for_target``)."""
-    return functools.partial(_pick_gemv, float_factory, quant_factory, l2_formats)
+    def _quant(self, factory, rows, K, wfmt, *args, **kwargs):
+        return factory(rows, K, wfmt, *args, vnni=self.vnni,
+                       locality=prefetch_locality(wfmt, self.l2_formats), **kwargs)
 
+    def _streamed(self, float_factory, quant_factory, rows, K, wfmt, *args, **kwargs):
+        """A kernel streaming each weight row once: the float one takes the prefetch hint."""
+        if FORMATS[wfmt].quantized:
+            return self._quant(quant_factory, rows, K, wfmt, *args, **kwargs)
+        return float_factory(rows, K, wfmt, *args,
+                             locality=prefetch_locality(wfmt, self.l2_formats), **kwargs)
 
-def _for_target(factory, l2_formats, vnni, rows, K, wfmt, *args, **kwargs):
-    return factory(rows, K, wfmt, *args, vnni=vnni, locality=prefetch_locality(wfmt, l2_formats),
-                   **kwargs)
+    def _tiled(self, float_factory, quant_factory, tile, rows, K, wfmt, *args, **kwargs):
+        """A matmul over register tiles of ``tile``."""
+        if FORMATS[wfmt].quantized:
+            return self._quant(quant_factory, rows, K, wfmt, *args, tile=tile, **kwargs)
+        return float_factory(rows, K, wfmt, *args, tile=tile, **kwargs)
+
+    def embedding(self, V, H, wfmt, *args, **kwargs):
+        factory = quant.embedding if FORMATS[wfmt].quantized else norm.embedding
+        return factory(V, H, wfmt, *args, **kwargs)
+
+    def gemv(self, N, K, wfmt, *args, **kwargs):
+        return self._streamed(gemv.gemv, quant.gemv, N, K, wfmt, *args, **kwargs)
+
+    def gemv_swiglu(self, inter, K, wfmt, *args, **kwargs):
+        return self._streamed(gemv.gemv_swiglu, quant.gemv_swiglu, inter, K, wfmt, *args,
+                              **kwargs)
+
+    def linear(self, N, K, wfmt, *args, **kwargs):
+        return self._tiled(linear.linear, quant.linear, self.linear_tile, N, K, wfmt, *args,
+                           **kwargs)
+
+    def linear_swiglu(self, inter, K, wfmt, *args, **kwargs):
+        return self._tiled(linear.linear_swiglu, quant.linear_swiglu, self.swiglu_tile, inter,
+                           K, wfmt, *args, **kwargs)
+
+    def linear_rows(self, N, K, wfmt, *args, **kwargs):
+        return self._streamed(batch.gemv_rows, quant.linear_rows, N, K, wfmt, *args, **kwargs)
+
+    def linear_swiglu_rows(self, inter, K, wfmt, *args, **kwargs):
+        return self._streamed(batch.gemv_rows_swiglu, quant.linear_swiglu_rows, inter, K, wfmt,
+                              *args, **kwargs)
 
 
 def cpu_kernels(avx512: bool = True, mcpu: str | None = None, vnni: bool = False) -> KernelSet:
     tiles = linear.TILES[avx512]
-    l2_formats = L2_PREFETCH.get(mcpu, frozenset())
-
-    def q(factory):  # a quantized kernel: the target's int8 dot product and prefetch hint
-        return functools.partial(_for_target, factory, l2_formats, vnni)
-
-    return KernelSet(_by_format(norm.embedding, quant.embedding), norm.rmsnorm,
-                     _gemv_by_format(gemv.gemv, q(quant.gemv), l2_formats),
-                     _gemv_by_format(gemv.gemv_swiglu, q(quant.gemv_swiglu), l2_formats),
-                     _by_format(linear.linear, q(quant.linear), tile=tiles["linear"]),
-                     _by_format(linear.linear_swiglu, q(quant.linear_swiglu),
-                                tile=tiles["swiglu"]),
-                     rope_kv.rope_kv_write_decode,
-                     rope_kv.rope_kv_write_prefill, attention.paged_attention_decode,
-                     attention.paged_attention_prefill, rope_kv.rope_kv_write_decode_dev,
-                     attention.paged_attention_decode_dev, K_BLOCK_LAYOUT,
-                     batch.rope_kv_write_batch, batch.paged_attention_batch,
-                     _gemv_by_format(batch.gemv_rows, q(quant.linear_rows), l2_formats),
-                     _gemv_by_format(batch.gemv_rows_swiglu, q(quant.linear_swiglu_rows),
-                                     l2_formats),
-                     batch.SMALL_ROWS, quant.SMALL_ROWS, quant.SMALL_ROWS_INTERLEAVED,
-                     small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True,
-                     scale=elementwise.scale, softcap=elementwise.softcap,
-                     gelu_tanh_gate=elementwise.gelu_tanh_gate,
-                     rmsnorm_add=elementwise.rmsnorm_add)
+    w = WeightKernels(linear_tile=tiles["linear"], swiglu_tile=tiles["swiglu"],
+                      l2_formats=L2_PREFETCH.get(mcpu, frozenset()), vnni=vnni)
+    return KernelSet(
+        embedding=w.embedding, rmsnorm=norm.rmsnorm, gemv=w.gemv, gemv_swiglu=w.gemv_swiglu,
+        linear=w.linear, linear_swiglu=w.linear_swiglu,
+        rope_kv_write_decode=rope_kv.rope_kv_write_decode,
+        rope_kv_write_prefill=rope_kv.rope_kv_write_prefill,
+        paged_attention_decode=attention.paged_attention_decode,
+        paged_attention_prefill=attention.paged_attention_prefill,
+        rope_kv_write_decode_dev=rope_kv.rope_kv_write_decode_dev,
+        paged_attention_decode_dev=attention.paged_attention_decode_dev,
+        k_block_layout=K_BLOCK_LAYOUT, rope_kv_write_batch=batch.rope_kv_write_batch,
+        paged_attention_batch=batch.paged_attention_batch, linear_rows=w.linear_rows,
+        linear_swiglu_rows=w.linear_swiglu_rows, small_rows=batch.SMALL_ROWS,
+        small_rows_quant=quant.SMALL_ROWS, small_rows_interleaved=quant.SMALL_ROWS_INTERLEAVED,
+        small_rows_x_bytes=batch.SMALL_ROWS_X_BYTES, quant_head_wide_x=True,
+        scale=elementwise.scale, softcap=elementwise.softcap,
+        gelu_tanh_gate=elementwise.gelu_tanh_gate, rmsnorm_add=elementwise.rmsnorm_add)
