@@ -15,10 +15,6 @@ from .arch import Family
 
 _HF_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config default
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# config.json values the Gemma config classes default when a file leaves them out
-_HF_GEMMA_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-                      "final_logit_softcapping": 30.0}
-_SOFTCAP_DEFAULTS = {"gemma2": ("attn_logit_softcapping", "final_logit_softcapping")}
 
 
 def _pattern_layers(pattern: int, n_layers: int) -> list[int]:
@@ -83,14 +79,12 @@ def hf_features(f, fam: Family, hidden: int, n_q: int, head_dim: int) -> dict[st
     if fam.embed_scale_sqrt_hidden:
         out["embed_scale"] = hidden ** 0.5
     if fam.attn_scale_key:
-        scalar = f.number(fam.attn_scale_key, _HF_GEMMA_DEFAULTS[fam.attn_scale_key])
+        scalar = f.number(fam.attn_scale_key, fam.hf_feature_defaults[fam.attn_scale_key])
         out["attn_scale"] = 0.0 if scalar == head_dim else scalar ** -0.5
-    defaults = _SOFTCAP_DEFAULTS.get(fam.name, ())
     for field, key in (("attn_softcap", fam.attn_softcap_key),
                        ("final_softcap", fam.final_softcap_key)):
         if key:
-            out[field] = _optional_number(f, key, _HF_GEMMA_DEFAULTS[key] if key in defaults
-                                          else None)
+            out[field] = _optional_number(f, key, fam.hf_feature_defaults.get(key))
     return out
 
 

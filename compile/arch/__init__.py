@@ -98,6 +98,9 @@ class Family:
     # k_proj, v_proj), read as their rows (``weights.stored_rows``)
     fused: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     gguf_local_rope_theta: float | None = None
+    # the config class's defaults of the keys above a config.json may leave out
+    # (``attn_scale_key``, the soft-caps); a key not here defaults to off
+    hf_feature_defaults: Mapping[str, float] = dataclasses.field(default_factory=dict)
     hf_tied: bool = False  # the config class's tie_word_embeddings default
 
     def __post_init__(self):
@@ -105,6 +108,8 @@ class Family:
             raise ValueError(f"{self.name}: sliding={self.sliding!r}, not in {SLIDING_POLICIES}")
         if set(self.hf_defaults) != set(DEFAULTED_KEYS):
             raise ValueError(f"{self.name}: hf_defaults must give {DEFAULTED_KEYS}")
+        if self.attn_scale_key and self.attn_scale_key not in self.hf_feature_defaults:
+            raise ValueError(f"{self.name}: hf_feature_defaults must give {self.attn_scale_key}")
         if self.norm != "rms":
             raise ValueError(f"{self.name}: norm={self.norm!r}: only 'rms' is built")
         if self.gate_act not in GATE_ACTIVATIONS:

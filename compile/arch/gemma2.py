@@ -35,4 +35,6 @@ FAMILY = Family(
     sliding_pattern=2,
     gguf_layer_tensors=GGUF_TENSORS,
     hf_tied=True,
+    hf_feature_defaults={"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                         "final_logit_softcapping": 30.0},  # Gemma2Config's
 )

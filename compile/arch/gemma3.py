@@ -27,8 +27,9 @@ FAMILY = Family(
     sliding="layer_types",
     sliding_pattern=6,
     rope_per_layer_type=True,
-    gguf_local_rope_theta=10000.0,
-    hf_tied=True,  # llama.cpp's fixed base of the sliding layers
+    gguf_local_rope_theta=10000.0,  # llama.cpp's fixed base of the sliding layers
+    hf_tied=True,
+    hf_feature_defaults={"query_pre_attn_scalar": 256},  # Gemma3TextConfig's (no soft-caps)
     gguf_layer_tensors={**GGUF_TENSORS, "self_attn.q_norm": "attn_q_norm",
                         "self_attn.k_norm": "attn_k_norm"},
 )
