@@ -12,6 +12,7 @@ import pytest
 from paged_decode.compile import arch, weights
 from paged_decode.compile.weights import resolve_model
 
+from . import gguf_files
 from .conftest import LOGIT_TOL
 from .test_runtime_hf import hf_reference, llama_tied_ckpt, run_ours  # noqa: F401  (fixture)
 
@@ -61,19 +62,8 @@ def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool, rope_freq
 
     cfg = resolve_model(str(ckpt.path)).config
     w = gguf.GGUFWriter(path, gguf_arch)
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.n_q_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
+    gguf_files.shape_keys(w, cfg)
+    gguf_files.byte_vocabulary(w, cfg.vocab_size)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs)
     for hf_name, value in ckpt.state.items():
@@ -83,11 +73,7 @@ def write_family_gguf(path, ckpt, gguf_arch: str, *, permute_qk: bool, rope_freq
             value = llama_cpp_permute(value, cfg.n_q_heads if ".q_proj." in hf_name
                                       else cfg.n_kv_heads)
         w.add_tensor(weights.gguf_name(hf_name), np.ascontiguousarray(value, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return gguf_files.finish(w, path)
 
 
 @pytest.fixture(scope="session")

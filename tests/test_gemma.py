@@ -22,6 +22,7 @@ from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.step import BatchDecodeSession
 
+from . import gguf_files
 from .conftest import LOGIT_TOL, TOL, _randomize, _save, make_pool
 from .test_runtime_hf import hf_reference, run_ours
 
@@ -118,16 +119,7 @@ def write_gemma_gguf(path, ckpt, gguf_arch: str):
 
     cfg = resolve_model(str(ckpt.path)).config
     w = gguf.GGUFWriter(path, gguf_arch)
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.n_q_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    gguf_files.shape_keys(w, cfg)
     w.add_sliding_window(cfg.sliding_window)
     if cfg.attn_softcap:
         w.add_float32(f"{gguf_arch}.attn_logit_softcapping", cfg.attn_softcap)
@@ -136,20 +128,14 @@ def write_gemma_gguf(path, ckpt, gguf_arch: str):
     if cfg.rope_linear_factor != 1:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_linear_factor)
-    w.add_tokenizer_model("gpt2")
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
+    gguf_files.byte_vocabulary(w, cfg.vocab_size)
     for hf_name, value in ckpt.state.items():
         if hf_name == "lm_head.weight":
             continue
         if hf_name.endswith("norm.weight"):
             value = value + np.float32(1)
         w.add_tensor(weights.gguf_name(hf_name, cfg.arch), np.ascontiguousarray(value, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return gguf_files.finish(w, path)
 
 
 @pytest.fixture(scope="session")

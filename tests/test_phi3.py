@@ -15,6 +15,7 @@ from paged_decode.compile import rope, weights
 from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.errors import ConfigError
 
+from . import gguf_files
 from .conftest import LOGIT_TOL, _randomize, _save
 from .test_runtime_hf import hf_reference, run_ours
 
@@ -79,9 +80,7 @@ def write_phi3_gguf(path, ckpt, qtype=None):
             math.sqrt(1 + math.log(scale) / math.log(rp["original_max_position_embeddings"])))
         w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
-    w.add_tokenizer_model("gpt2")
-    alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-    w.add_token_list(alphabet + [f"<{i}>" for i in range(hc.vocab_size - len(alphabet))])
+    gguf_files.byte_vocabulary(w, hc.vocab_size)
     for hf_name, value in ckpt.state.items():
         if hf_name == "lm_head.weight" and hc.tie_word_embeddings:
             continue
@@ -90,11 +89,7 @@ def write_phi3_gguf(path, ckpt, qtype=None):
             w.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return gguf_files.finish(w, path)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,8 @@ from paged_decode.compile.weights import resolve_model
 from paged_decode.runtime.errors import ConfigError, InputError, WeightsError
 from paged_decode.runtime.tokenizer import StreamDecoder, Tokenizer
 
+from . import gguf_files
+
 TEXTS = ["Hello world!", "The year 2024 has 366 days; 3.14159 ≈ π.", "héllo wörld — naïve café",
          "日本語のテキスト and 🙂🚀 emoji", "  two  spaces\n\nnewlines\t"]
 
@@ -278,9 +280,7 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
     if formats is None:
         w.add_tokenizer_model("llama")  # no token list: export_tokenizer refuses it
     else:
-        w.add_tokenizer_model("gpt2")
-        alphabet = [chr(c) for c in range(ord("!"), ord("~") + 1)]
-        w.add_token_list(alphabet + [f"<{i}>" for i in range(cfg.vocab_size - len(alphabet))])
+        gguf_files.byte_vocabulary(w, cfg.vocab_size)
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)  # linear is read, YaRN is not
     for hf_name, value in ckpt.state.items():
@@ -297,11 +297,7 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
         else:
             w.add_tensor(name, FORMATS[fmt].quantize(value),
                          raw_dtype=gguf.GGMLQuantizationType[FORMATS[fmt].gguf_type])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return gguf_files.finish(w, path)
 
 
 def test_written_gguf_roundtrips_llama(llama_ckpt, tmp_path):
