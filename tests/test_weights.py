@@ -267,15 +267,7 @@ def write_llama_gguf(path, ckpt, cfg, *, rope_scaling: bool = False, formats=Non
     from paged_decode.compile.formats import FORMATS
 
     w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(cfg.n_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.n_q_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    gguf_files.shape_keys(w, cfg, value_length=False)
     w.add_vocab_size(cfg.vocab_size)
     if formats is None:
         w.add_tokenizer_model("llama")  # no token list: export_tokenizer refuses it
