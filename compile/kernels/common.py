@@ -35,6 +35,11 @@ def dtype_tag(dtype: str) -> str:
     return {"float32": "f32", "float16": "f16"}[dtype]
 
 
+def const_tag(v: float) -> str:
+    """A kernel's constant as part of its symbol: 30.0 -> 30, 0.5 -> 0p5, 1e-06 -> 1em06."""
+    return format(v, ".9g").replace(".", "p").replace("-", "m").replace("+", "")
+
+
 def cached(factory):
     """Memoise a kernel factory: TVMScript parsing dominates graph building otherwise."""
     return functools.lru_cache(maxsize=None)(factory)

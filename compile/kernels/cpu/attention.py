@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 
 from ..common import cached, dtype_tag, finalize, pick_tile, token_dim
 from ..signatures import attention_options
-from .fastmath import fexp
+from .fastmath import fexp, ftanh
 from .simd import STACK_BYTES, k_block_view, lane_slice, prefetch_ahead_macro, scratch_buffer
 
 
@@ -84,13 +84,6 @@ def first_row(ctx, b, window: int, bs: int):
     """The first row of block ``b`` in the window of the query at position ``ctx - 1`` (0 past
     the window's first block, and without a window)."""
     return T.max(ctx - window - b * bs, T.int64(0)) if window else 0
-
-
-def ftanh(x):
-    """tanh of a float32 expression through ``fexp`` (vectorisable; LLVM would call libm per
-    lane): ``1 - 2 / (exp(2x) + 1)``, saturating to +-1 where fexp clamps."""
-    one = T.float32(1)
-    return one - T.float32(2) / (fexp(x * T.float32(2)) + one)
 
 
 def _attend_macro(Hq, Hkv, D, bs, cap, cdt, window=0, softcap=0.0, scale=0.0):

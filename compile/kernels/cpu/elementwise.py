@@ -15,29 +15,18 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
-from ..common import cached, finalize, token_dim
-from .fastmath import fexp
+from ..common import cached, const_tag, finalize, token_dim
+from .fastmath import ftanh
 from .simd import VL, scratch_buffer
 
 _GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def num_tag(v: float) -> str:
-    """A constant as part of a kernel's symbol: 30.0 -> 30, 0.5 -> 0p5, 1e-06 -> 1em06."""
-    return format(v, ".9g").replace(".", "p").replace("-", "m").replace("+", "")
-
-
-def tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """tanh(x) = 1 - 2 / (exp(2x) + 1) through ``fexp`` (vectorisable; +-1 where exp clamps)."""
-    one = tirx.const(1.0, "float32")
-    return one - tirx.const(2.0, "float32") / (fexp(x * tirx.const(2.0, "float32")) + one)
 
 
 def gelu_tanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """transformers' ``gelu_pytorch_tanh``: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
     f32 = lambda v: tirx.const(v, "float32")  # noqa: E731
     inner = f32(_GELU_C) * (x + f32(0.044715) * x * x * x)
-    return f32(0.5) * x * (f32(1.0) + tanh(inner))
+    return f32(0.5) * x * (f32(1.0) + ftanh(inner))
 
 
 def _tag(n_static) -> str:
@@ -57,7 +46,7 @@ def scale(H: int, s: float, n_static: int | None = None):
                 for h in T.vectorized(H):
                     y[i, h] = x[i, h] * T.float32(s)
 
-    return finalize(func, f"scale_{_tag(n_static)}_{H}_{num_tag(s)}")
+    return finalize(func, f"scale_{_tag(n_static)}_{H}_{const_tag(s)}")
 
 
 @cached
@@ -72,9 +61,9 @@ def softcap(N: int, c: float, n_static: int | None = None):
         with T.sblock("root"):
             for i in T.parallel(n):
                 for j in T.vectorized(N):
-                    y[i, j] = tanh(x[i, j] * T.float32(inv)) * T.float32(c)
+                    y[i, j] = ftanh(x[i, j] * T.float32(inv)) * T.float32(c)
 
-    return finalize(func, f"softcap_{_tag(n_static)}_{N}_{num_tag(c)}")
+    return finalize(func, f"softcap_{_tag(n_static)}_{N}_{const_tag(c)}")
 
 
 @cached

@@ -1,4 +1,5 @@
-"""Vectorisable float32 exp for the kernels (LLVM would call scalar libm ``expf`` per lane).
+"""Vectorisable float32 exp (and tanh through it) for the kernels (LLVM would call scalar libm
+``expf`` / ``tanhf`` per lane).
 
 Cody-Waite range reduction ``x = n ln2 + r`` with ``|r| <= ln2 / 2`` and the Cephes degree-5
 minimax polynomial; relative error about 1e-7 over the float32 range, inputs clamped to
@@ -27,6 +28,13 @@ def fexp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     y = p * r * r + r + f32(1.0)
     scale = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
     return y * scale
+
+
+def ftanh(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """tanh of a float32 expression: ``1 - 2 / (exp(2x) + 1)`` through ``fexp``, saturating to
+    +-1 where fexp clamps."""
+    one = tirx.const(1.0, "float32")
+    return one - tirx.const(2.0, "float32") / (fexp(x * tirx.const(2.0, "float32")) + one)
 
 
 def silu_mul(gate: tirx.PrimExpr, up: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -8,14 +8,10 @@ import math
 from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
-from ..common import cached, token_dim
+from ..common import cached, const_tag, token_dim
 from .common import block_reduce, block_threads, finalize
 
 _GELU_C = math.sqrt(2.0 / math.pi)
-
-
-def _num_tag(v: float) -> str:
-    return format(v, ".9g").replace(".", "p").replace("-", "m").replace("+", "")
 
 
 def _tag(n_static) -> str:
@@ -44,7 +40,7 @@ def scale(H: int, s: float, n_static: int | None = None):
                         if ho * NT + tx < H:
                             y[i, ho * NT + tx] = x[i, ho * NT + tx] * T.float32(s)
 
-    return finalize(func, f"scale_{_tag(n_static)}_{H}_{_num_tag(s)}")
+    return finalize(func, f"scale_{_tag(n_static)}_{H}_{const_tag(s)}")
 
 
 @cached
@@ -65,7 +61,7 @@ def softcap(N: int, c: float, n_static: int | None = None):
                             y[i, jo * NT + tx] = T.tanh(
                                 x[i, jo * NT + tx] * T.float32(1.0 / c)) * T.float32(c)
 
-    return finalize(func, f"softcap_{_tag(n_static)}_{N}_{_num_tag(c)}")
+    return finalize(func, f"softcap_{_tag(n_static)}_{N}_{const_tag(c)}")
 
 
 @cached
