@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 from ...params import GATE_UP_ROWS
 from ..common import cached, const_tag, finalize, token_dim
 from .fastmath import ftanh
+from .norm import rms_inv_macro
 from .simd import VL, scratch_buffer
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -93,7 +94,7 @@ def gelu_tanh_gate(I: int, n_static: int | None = None):
 def rmsnorm_add(H: int, eps: float, n_static: int | None = None):
     """y = res + x * rsqrt(mean(x^2) + eps) * w per row: a post norm and its residual add."""
     n = token_dim(n_static)
-    HO, HT = H // VL, H % VL
+    rms_inv = rms_inv_macro(H, eps)
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, w: T.Buffer((H,), "float32"), var_res: T.handle, var_y: T.handle):
@@ -103,16 +104,7 @@ def rmsnorm_add(H: int, eps: float, n_static: int | None = None):
         with T.sblock("root"):
             for i in T.parallel(n):
                 acc = scratch_buffer((VL,))
-                for v in T.vectorized(VL):
-                    acc[v] = T.float32(0)
-                for ho in range(HO):
-                    for v in T.vectorized(VL):
-                        acc[v] = acc[v] + x[i, ho * VL + v] * x[i, ho * VL + v]
-                for v in range(HT):
-                    acc[v] = acc[v] + x[i, HO * VL + v] * x[i, HO * VL + v]
-                for v in range(1, VL):
-                    acc[0] = acc[0] + acc[v]
-                acc[1] = T.rsqrt(acc[0] / T.float32(H) + T.float32(eps))
+                rms_inv(x, i, acc)
                 for h in T.vectorized(H):
                     y[i, h] = res[i, h] + x[i, h] * acc[1] * w[h]
 

@@ -33,12 +33,33 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     return finalize(func, f"embedding_{tag}_{V}x{H}_{dtype_tag(wdt)}")
 
 
+def rms_inv_macro(H: int, eps: float):
+    """A macro ``(x, row, acc)`` leaving ``rsqrt(mean(x[row]^2) + eps)`` in ``acc[1]`` (``acc``:
+    a ``(VL,)`` scratch), vector partial sums reduced at the end; the norm kernels' common part."""
+    HO, HT = H // VL, H % VL
+
+    @T.macro
+    def rms_inv(x, row, acc):
+        for v in T.vectorized(VL):
+            acc[v] = T.float32(0)
+        for ho in range(HO):
+            for v in T.vectorized(VL):
+                acc[v] = acc[v] + x[row, ho * VL + v] * x[row, ho * VL + v]
+        for v in range(HT):
+            acc[v] = acc[v] + x[row, HO * VL + v] * x[row, HO * VL + v]
+        for v in range(1, VL):
+            acc[0] = acc[0] + acc[v]
+        acc[1] = T.rsqrt(acc[0] / T.float32(H) + T.float32(eps))
+
+    return rms_inv
+
+
 @cached
 def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = False):
     """y = x * rsqrt(mean(x^2) + eps) * w, per row, in float32 (as HF's LlamaRMSNorm)."""
     n = token_dim(n_static)
-    HO, HT = H // VL, H % VL
     rows_out = 1 if last_only else n
+    rms_inv = rms_inv_macro(H, eps)
 
     def src(i):  # the input row of output row i (an expression: see ``scratch_buffer``)
         return n - 1 if last_only else i
@@ -50,16 +71,7 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
         with T.sblock("root"):
             for i in T.parallel(rows_out):
                 acc = scratch_buffer((VL,))
-                for v in T.vectorized(VL):
-                    acc[v] = T.float32(0)
-                for ho in range(HO):
-                    for v in T.vectorized(VL):
-                        acc[v] = acc[v] + x[src(i), ho * VL + v] * x[src(i), ho * VL + v]
-                for v in range(HT):
-                    acc[v] = acc[v] + x[src(i), HO * VL + v] * x[src(i), HO * VL + v]
-                for v in range(1, VL):
-                    acc[0] = acc[0] + acc[v]
-                acc[1] = T.rsqrt(acc[0] / T.float32(H) + T.float32(eps))
+                rms_inv(x, src(i), acc)
                 for h in T.vectorized(H):
                     y[i, h] = x[src(i), h] * acc[1] * w[h]
 

@@ -9,7 +9,8 @@ from tvm.script import tirx as T
 
 from ...params import GATE_UP_ROWS
 from ..common import cached, const_tag, token_dim
-from .common import block_reduce, block_threads, finalize
+from .common import block_threads, finalize
+from .norm import row_sum_sq_macro
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -95,7 +96,7 @@ def rmsnorm_add(H: int, eps: float, n_static: int | None = None):
     n = token_dim(n_static)
     NT = block_threads(H)
     HO = -(-H // NT)
-    sum_sq = block_reduce(NT, "sum", "sum_sq")
+    row_sum_sq = row_sum_sq_macro(H, NT)
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, w: T.Buffer((H,), "float32"), var_res: T.handle, var_y: T.handle):
@@ -106,13 +107,7 @@ def rmsnorm_add(H: int, eps: float, n_static: int | None = None):
             part = T.sblock_alloc_buffer((1,), "float32", scope="local")
             tot = T.sblock_alloc_buffer((1,), "float32", scope="shared")
             for i in T.thread_binding(n, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    part[0] = T.float32(0)
-                    for ho in range(HO):
-                        if ho * NT + tx < H:
-                            part[0] = part[0] + x[i, ho * NT + tx] * x[i, ho * NT + tx]
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    sum_sq(tx, part, 0, tot, 0)
+                row_sum_sq(x, i, part, tot)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ho in range(HO):
                         if ho * NT + tx < H:

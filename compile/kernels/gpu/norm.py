@@ -36,6 +36,26 @@ def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     return finalize(func, f"embedding_{tag}_{V}x{H}_{dtype_tag(wdt)}")
 
 
+def row_sum_sq_macro(H: int, NT: int):
+    """A macro ``(x, row, part, tot)`` leaving the sum of ``x[row]^2`` in ``tot[0]`` (shared):
+    each of the block's ``NT`` threads sums its strided columns into ``part`` (local), then
+    the block reduces them; the norm kernels' common part."""
+    HO = -(-H // NT)
+    sum_sq = block_reduce(NT, "sum", "sum_sq")
+
+    @T.macro
+    def row_sum_sq(x, row, part, tot):
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            part[0] = T.float32(0)
+            for ho in range(HO):
+                if ho * NT + tx < H:
+                    part[0] = part[0] + x[row, ho * NT + tx] * x[row, ho * NT + tx]
+        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            sum_sq(tx, part, 0, tot, 0)
+
+    return row_sum_sq
+
+
 @cached
 def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = False):
     """y = x * rsqrt(mean(x^2) + eps) * w: one block per output row, a block sum of squares."""
@@ -43,7 +63,7 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
     rows_out = 1 if last_only else n
     NT = block_threads(H)
     HO = -(-H // NT)
-    sum_sq = block_reduce(NT, "sum", "sum_sq")
+    row_sum_sq = row_sum_sq_macro(H, NT)
 
     @T.prim_func(s_tir=True)
     def func(var_x: T.handle, w: T.Buffer((H,), "float32"), var_y: T.handle):
@@ -53,14 +73,7 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
             part = T.sblock_alloc_buffer((1,), "float32", scope="local")
             tot = T.sblock_alloc_buffer((1,), "float32", scope="shared")
             for i in T.thread_binding(rows_out, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    part[0] = T.float32(0)
-                    for ho in range(HO):
-                        if ho * NT + tx < H:
-                            part[0] = part[0] + x[n - 1 if last_only else i, ho * NT + tx] * x[
-                                n - 1 if last_only else i, ho * NT + tx]
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    sum_sq(tx, part, 0, tot, 0)
+                row_sum_sq(x, n - 1 if last_only else i, part, tot)
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     for ho in range(HO):
                         if ho * NT + tx < H:
