@@ -193,11 +193,11 @@ class _Builder:
                          [y, self.p[norm], x], (n, h))
 
     def attn_opts(self, layer: int) -> dict:
-        """The attention kernel's keywords for ``layer``, each only where it differs from the
-        kernel's default: its window (a sliding layer's, where shorter than the artifact's
-        context), soft-capping and score scale."""
+        """The attention kernel's keywords for ``layer``: a sliding layer's window (which the
+        kernel drops where the artifact's context is no longer: ``attention_options``),
+        soft-capping and score scale, each only where the model has it."""
         cfg, opts = self.cfg, {}
-        if cfg.is_sliding(layer) and cfg.sliding_window < self.spec.max_tokens:
+        if cfg.is_sliding(layer):
             opts["window"] = cfg.sliding_window
         if cfg.attn_softcap:
             opts["softcap"] = cfg.attn_softcap
