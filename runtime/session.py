@@ -249,19 +249,40 @@ class PagedDecodeSession:
         start, snap = handle.length, handle.snapshot()
         handle.reserve(len(ids), self.max_tokens)
         try:
-            handle.fill_block_table(self._table_host)
-            self._table_of = (handle.seq_id, handle.version)
-            self._upload()
-            ids_t = tvm.runtime.tensor(ids, self.artifact.device)
-            logits = self._call("prefill", self._prefill, ids_t, self._table, start,
-                                self._pools_arg, self._params_arg)
-            row = _host_logits(logits, lambda _r: f"prefill of sequence {handle.seq_id} "
-                                       f"(positions {start} to {start + len(ids) - 1})")
+            row = self.prefill_reserved(handle, ids, start)
         except BaseException:
             handle.restore(snap)
             raise
         handle.advance(len(ids))
         return row
+
+    def prefill_reserved(self, handle: SessionHandle, ids: np.ndarray, start: int) -> np.ndarray:
+        """The compiled prefill of checked ``int32`` ``ids`` at positions ``start ..`` of a
+        sequence that reserved them; the last position's logits.  Advances nothing (the step
+        runner advances every row of a step together once all of its calls succeeded)."""
+        handle.fill_block_table(self._table_host)
+        self._table_of = (handle.seq_id, handle.version)
+        self._upload()
+        ids_t = tvm.runtime.tensor(ids, self.artifact.device)
+        logits = self._call("prefill", self._prefill, ids_t, self._table, start,
+                            self._pools_arg, self._params_arg)
+        return _host_logits(logits, lambda _r: f"prefill of sequence {handle.seq_id} "
+                                   f"(positions {start} to {start + len(ids) - 1})")
+
+    def decode_at(self, handle: SessionHandle, token_id: int, pos: int) -> np.ndarray:
+        """The compiled decode of a checked ``token_id`` at position ``pos`` of a sequence that
+        reserved it; its logits.  Advances nothing (see :meth:`prefill_reserved`)."""
+        off = handle.write_offset(pos)
+        if self._table_of != (handle.seq_id, handle.version):
+            handle.fill_block_table(self._table_host)
+            self._table_of = (handle.seq_id, handle.version)
+        self._token_host[0] = token_id
+        self._upload()
+        logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
+                            self._pools_arg, self._params_arg)
+        self.realize_count += 1
+        return _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at "
+                                               f"position {pos}")
 
     def decode_raw(self, token_id: int, block_table: np.ndarray, context_len: int,
                    write_off: int) -> np.ndarray:
