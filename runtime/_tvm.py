@@ -7,6 +7,14 @@ whenever it is installed; the runtime never hands TVM a torch tensor) and ml_dty
 and float8 arrays; the runtime's tensors are float32 / float16 / integers).  Together that is
 about 5 s and 300 MB of every ``paged-run`` / ``paged-serve`` start on a 2-core machine.
 
+``import tvm`` also registers Python classes for the compiler's object types (``tvm.ir``,
+``tvm.tirx``, the script printer, ...).  Without the compiler those types are unknown, and
+``tvm_ffi`` learns that from a C++ lookup that fails by throwing: the first such throw builds a
+C++ backtrace, which has libbacktrace read the debug information of every loaded library
+(0.2 s and 33 MiB of resident memory, kept for the life of the process).  The runtime-only
+import answers those lookups from the list of registered type keys instead
+(:func:`_known_types_only`), so nothing throws.
+
 A process that needs the compiler imports the build side (``paged_decode.compile``) first, or
 sets ``TVM_USE_RUNTIME_LIB=0``; the choice is made at the first ``import tvm`` of the process and
 holds for its life (:func:`require_compiler` names the fix when it came out wrong).  An explicit
@@ -29,6 +37,41 @@ def _build_side_loaded() -> bool:
                for name in sys.modules)
 
 
+def _known_types_only(lookup, registered):
+    """``lookup`` (type key -> type index, throwing in C++ for an unknown key) answering None
+    for a key absent from ``registered()`` (the registered keys, read again on each miss since
+    a library loaded meanwhile may have added some) without calling ``lookup``."""
+    known: set[str] = set()
+
+    def lookup_known(type_key):
+        if type_key not in known:
+            known.update(str(k) for k in registered())
+            if type_key not in known:
+                return None
+        return lookup(type_key)
+
+    return lookup_known
+
+
+@contextlib.contextmanager
+def _no_failed_type_lookups():
+    """``tvm_ffi``'s type-key lookup answers unknown keys without a C++ throw while the block
+    runs (see the module's docstring); unchanged where this ``tvm_ffi`` lacks the two hooks."""
+    import tvm_ffi
+    from tvm_ffi import core
+
+    lookup = getattr(core, "_object_type_key_to_index", None)
+    registered = tvm_ffi.get_global_func("ffi.GetRegisteredTypeKeys", allow_missing=True)
+    if lookup is None or registered is None:
+        yield
+        return
+    core._object_type_key_to_index = _known_types_only(lookup, registered)
+    try:
+        yield
+    finally:
+        core._object_type_key_to_index = lookup
+
+
 @contextlib.contextmanager
 def _runtime_only_import():
     """Set the runtime-only switch and hide :data:`UNUSED_OPTIONAL` for the first ``import tvm``
@@ -39,7 +82,8 @@ def _runtime_only_import():
     for name in hidden:
         sys.modules[name] = None  # an `import name` now fails at once with ImportError
     try:
-        yield
+        with _no_failed_type_lookups():
+            yield
     finally:
         os.environ.pop(RUNTIME_ONLY_ENV, None)
         for name in hidden:

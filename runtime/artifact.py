@@ -22,7 +22,7 @@ from paged_decode.runtime._tvm import tvm
 from tvm.runtime import vm as relax  # relax.VirtualMachine, in the runtime library
 
 from .errors import ArtifactError, WeightsError
-from .host_memory import HostArena, on_host, to_tvm
+from .host_memory import HostArena, on_host, release_free_heap, to_tvm
 from .manifest import DEFAULT_BATCH_BUCKETS, DISK_ONLY, Manifest, weight_policy
 from .pack import verify_pack
 from .versions import ABI_VERSION, MANIFEST_FORMAT, PACKAGE_VERSION, WEIGHTS_FORMAT, key_digest
@@ -350,9 +350,10 @@ def load_weights(path: str | Path, artifact: Artifact) -> WeightPack:
                 _read_exactly(f, base + entries[name][2], hosts[name])
     except (OSError, ValueError) as e:
         raise WeightsError(f"{file} is missing or damaged ({e}); {hint}") from e
-    tensors = (to_tvm(hosts[n]) if on_cpu else tvm.runtime.tensor(hosts[n], artifact.device)
-               for n, _s, _d in want)
-    return WeightPack(path, meta, tuple(tensors))
+    tensors = tuple(to_tvm(hosts[n]) if on_cpu else
+                    tvm.runtime.tensor(hosts[n], artifact.device) for n, _s, _d in want)
+    release_free_heap()  # what parsing the header (and the tokenizer, loaded before) freed
+    return WeightPack(path, meta, tensors)
 
 
 def _pack_command(model: str, weight_dtype: str, pack: Path) -> str:

@@ -1,7 +1,8 @@
 """The deploy-side tokenizer: ``tokenizer.json`` + ``tokenizer_meta.json`` from an artifact folder.
 
-Needs only ``tokenizers`` and ``jinja2`` (never ``paged_decode.compile``).  The two files are
-written at build time by ``compile.tokenizer_export.export_tokenizer``:
+Needs only ``tokenizers`` and ``jinja2`` (never ``paged_decode.compile``; ``jinja2`` is imported
+at the first chat template, which a plain prompt never needs).  The two files are written at
+build time by ``compile.tokenizer_export.export_tokenizer``:
 
 - ``tokenizer.json``: a ``tokenizers.Tokenizer`` (its post-processor is not used; BOS is added here)
 - ``tokenizer_meta.json``: ``{"bos_id": int|null, "eos_ids": [int], "add_bos": bool,
@@ -15,13 +16,16 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
+from typing import TYPE_CHECKING
+
 import numpy as np
 import tokenizers
 
 from paged_decode.runtime.errors import ArtifactError, InputError
+from paged_decode.runtime.host_memory import release_free_heap
+
+if TYPE_CHECKING:
+    import jinja2
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -54,6 +58,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on a damaged file
             raise ArtifactError(f"{path}: tokenizer files are damaged ({e}); "
                                 "rebuild the artifact") from e
+        release_free_heap()  # what parsing the vocabulary's JSON freed
         return cls(backend, meta.get("bos_id"), meta.get("eos_ids", []),
                    bool(meta.get("add_bos", False)), meta.get("chat_template"))
 
@@ -234,6 +239,9 @@ def check_text(text: str, what: str) -> None:
 
 def _compile_template(source: str) -> jinja2.Template:
     """The template in a sandbox, with the helpers HF chat templates use."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
 
     def raise_exception(message):
         raise jinja2.TemplateError(message)

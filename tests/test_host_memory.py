@@ -17,7 +17,9 @@ import pytest
 
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import WeightsError
-from paged_decode.runtime.host_memory import ALIGN, HostArena, to_tvm
+from paged_decode.runtime import host_memory
+from paged_decode.runtime.host_memory import (ALIGN, HUGE_MIN, HUGE_PAGE, HostArena,
+                                              release_free_heap, to_tvm)
 
 from .conftest import make_pool
 
@@ -39,6 +41,26 @@ def _vm_flags(address: int) -> list[str]:
         elif line.startswith("VmFlags:") and mapping:
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address`` (Linux smaps)."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            mapping = lo <= address < hi
+        elif line.startswith("Rss:") and mapping:
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"/proc/self/status has no {field}")
 
 
 def test_arena_slices_are_zeroed_page_aligned_and_disjoint():
@@ -68,10 +90,36 @@ def test_tvm_tensor_shares_the_arena_memory():
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists(),
                     reason="transparent huge pages are a Linux feature; this kernel has none")
 def test_arena_is_advised_for_huge_pages_and_starts_on_one():
-    arena = HostArena([3 << 20])
-    host = arena.take((3 << 20,), "uint8")
+    arena = HostArena([HUGE_MIN])
+    host = arena.take((HUGE_MIN,), "uint8")
     assert _address(host) % (2 << 20) == 0
     assert "hg" in _vm_flags(_address(host))  # MADV_HUGEPAGE applied to this mapping
+
+
+@pytest.mark.skipif(not THP.exists() or "[madvise]" not in THP.read_text(),
+                    reason="huge pages are given on request only where the kernel's THP mode "
+                    "is madvise (this kernel: none, or always / never)")
+def test_a_small_arena_keeps_small_pages():
+    """Under HUGE_MIN a huge page would be resident whole at its first write."""
+    arena = HostArena([HUGE_MIN - ALIGN])
+    host = arena.take((HUGE_MIN - ALIGN,), "uint8")
+    assert "hg" not in _vm_flags(_address(host))
+    # the kernel may merge the mapping with its neighbours: compare its resident size
+    before = _resident_kib(_address(host))
+    host[HUGE_PAGE - _address(host) % HUGE_PAGE] = 1  # a byte on a huge-page boundary
+    assert _resident_kib(_address(host)) - before <= 64  # one 4 KiB page, not 2 MiB
+
+
+def test_release_free_heap_returns_freed_heap_pages():
+    """Freed small allocations stay in the C heap, resident, until trimmed (glibc)."""
+    if host_memory._malloc_trim() is None:
+        pytest.skip("this C library has no malloc_trim (not glibc)")
+    # blocks above pymalloc's 512 bytes and below malloc's mmap threshold: the C heap's
+    keep = [bytes(2000) + bytes([i % 256]) for i in range(10_000)]  # 20 MB
+    del keep[:-1]  # freed, but the top block keeps the heap from shrinking by itself
+    before = _status_kib("RssAnon")
+    release_free_heap()
+    assert before - _status_kib("RssAnon") > 8 << 10
 
 
 @pytest.fixture(scope="module")
@@ -94,17 +142,22 @@ def test_weights_equal_the_safetensors_reader_and_live_in_one_arena(tiny):
     addresses = sorted(_address(h) for h in hosts)
     assert all(a % ALIGN == 0 for a in addresses)
     if THP.exists() and sys.platform.startswith("linux"):
-        assert all("hg" in _vm_flags(a) for a in addresses)
+        advised = HostArena.for_arrays([(h.shape, h.dtype) for h in hosts]).capacity >= HUGE_MIN
+        assert all(("hg" in _vm_flags(a)) == advised for a in addresses)
 
 
-def test_pool_tensors_are_zeroed_arena_slices(tiny):
+@pytest.mark.parametrize("size", ["small", "huge"])
+def test_pool_tensors_are_zeroed_arena_slices(tiny, size):
+    """A pool's arena is advised for huge pages from HUGE_MIN bytes on."""
     artifact = load_artifact(tiny.artifact_dir)
-    pool = make_pool(artifact, num_blocks=8)
+    blocks = 8 if size == "small" else -(-HUGE_MIN // make_pool(artifact, 1).bytes_per_block)
+    pool = make_pool(artifact, num_blocks=blocks)
+    assert (pool.nbytes >= HUGE_MIN) == (size == "huge")
     for tensor in pool.pools:
         host = np.from_dlpack(tensor)
         assert _address(host) % ALIGN == 0 and not host.any()
         if THP.exists() and sys.platform.startswith("linux"):
-            assert "hg" in _vm_flags(_address(host))
+            assert ("hg" in _vm_flags(_address(host))) == (size == "huge")
 
 
 def _damage_header(pack: Path, edit) -> None:
