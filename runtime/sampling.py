@@ -164,6 +164,38 @@ class Sampler:
             self.processor.record(token)
         return token
 
+    def sample_draft(self, logits: np.ndarray, draft: int) -> int:
+        """One token from ``logits`` given a token a drafter proposed for this position: with
+        sampling, the draft with its probability under this sampler's distribution, else a
+        draw from the others renormalised (speculative sampling with a draft proposed with
+        certainty), so the token is distributed exactly as :meth:`sample` draws it; greedy
+        takes the same ``argmax`` whatever was drafted."""
+        if self.params.greedy:
+            return self.sample(logits)
+        x, top = _checked_logits(logits)
+        if self.processor is not None:
+            x = self.processor.apply(x)
+            top = float(np.max(x))
+            if top == -np.inf:
+                raise SamplingError("logit_bias / min_tokens ban every token this step allows; "
+                                    "ban fewer tokens")
+        if len(self._work) != len(x):
+            self._work = np.empty(len(x), np.float32)
+        ids, weights = _candidates(x, self.params, top, self._work)
+        at = (np.array([draft]) if ids is None else np.flatnonzero(ids == draft))
+        mass = float(weights[at[0]]) if at.size else 0.0
+        total = float(weights.sum(dtype=np.float64))
+        if self._rng.random() * total < mass:
+            token = int(draft)
+        else:
+            if at.size:
+                weights[at[0]] = 0.0  # the rest renormalised: _draw scales by their sum
+            i = _draw(weights, self._rng.random())
+            token = i if ids is None else int(ids[i])
+        if self.processor is not None:
+            self.processor.record(token)
+        return token
+
     def _pick(self, x: np.ndarray, top: float) -> int:
         if self.params.greedy:
             return int(np.argmax(x))  # first maximum = lowest id

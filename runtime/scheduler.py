@@ -35,9 +35,10 @@ from .checks import check_stop_ids, is_int
 from .errors import CapacityError, InputError, OutOfBlocksError
 from .kv_pool import PagedKVCache, SessionHandle
 from .prefix_cache import PrefixCache
+from .runner import Row, StepRunner
 from .sampling import Sampler, SamplingParams, sample_rows
 from .session import check_prompt
-from .step import BatchDecodeSession
+from .speculative import PRIOR_COST, NgramDrafter, SpeculativeConfig, best_length
 
 _IDS = itertools.count(1)
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
@@ -86,6 +87,9 @@ class Request:
     error: Exception | None = None  # why it finished as "error"
     hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix cache)
     cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
+    drafter: NgramDrafter | None = None  # with speculative decoding on
+    drafted: int = 0  # tokens drafted for it, and how many of them verification accepted
+    accepted: int = 0
 
     @property
     def finished(self) -> bool:
@@ -104,11 +108,20 @@ class Scheduler:
     """
 
     def __init__(self, artifact, weights, pool: PagedKVCache, *, max_running: int | None = None,
-                 prefill_budget: int = 512, prefix_cache: bool = True):
-        self.session = BatchDecodeSession(artifact, weights, pool)
+                 prefill_budget: int = 512, prefix_cache: bool = True,
+                 speculative: SpeculativeConfig | None = None):
+        self.runner = StepRunner(artifact, weights, pool)
         self.cache = PrefixCache(pool) if prefix_cache else None
         self.artifact, self.pool = artifact, pool
-        rows = self.session.max_rows
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise InputError(f"speculative={speculative!r}: pass a SpeculativeConfig or None")
+        if speculative is not None and not self.runner.buckets:
+            raise InputError(f"speculative decoding verifies drafted tokens in the batched plans; "
+                             f"artifact {artifact.path.name} has none: compile it with "
+                             "--batch-buckets (the default on CPU and CUDA targets)")
+        self.speculative = speculative
+        self.drafted_tokens = self.accepted_tokens = 0
+        rows = self.runner.max_rows
         self.max_running = rows if max_running is None else max_running
         if not is_int(self.max_running) or self.max_running < 1:
             raise InputError(f"max_running={max_running!r}: must be a positive integer")
@@ -221,8 +234,8 @@ class Scheduler:
         self._admit()
         out = self._prefill_chunks()
         decoding = [r for r in self.running if not r.pending and not r.finished]
-        for start in range(0, len(decoding), self.session.max_rows):
-            rows = decoding[start:start + self.session.max_rows]
+        for start in range(0, len(decoding), self.runner.max_rows):
+            rows = decoding[start:start + self.runner.max_rows]
             out += self._decode([r for r in rows if r.handle is not None])  # not preempted
         self.steps += 1
         return out
@@ -288,32 +301,49 @@ class Scheduler:
         return [r for r in head.forks if r.fork_of is head and r in self.waiting]
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
-        out, budget = [], self.prefill_budget
-        for req in [r for r in self.running if r.pending]:
-            if budget == 0:
-                break
-            if req.handle is None:  # preempted by an earlier chunk of this step
-                continue
-            if self.cache is not None and req.handle.length == 0:
-                self._adopt_cached(req)
-            chunk = req.pending[:budget]
+        """One step over the next chunk of every prefilling request, within
+        ``prefill_budget`` tokens in all; the requests that finished their prompt sample."""
+        while True:
+            chunks = self._chunks()
+            if not chunks:
+                return []
             try:
-                logits = self.session._single.prefill(req.handle, chunk)
+                logits = self.runner.run([Row(r.handle, c) for r, c in chunks])
+                break
             except OutOfBlocksError as e:
                 if self._make_room(e.requested):
                     continue
                 if len(self.running) == 1:  # it alone, and no cached block to evict
                     raise
-                self._preempt()  # the newest: another, or this one back to the queue
-                continue
+                self._preempt()  # the newest: another, or one of these back to the queue
+        out = []
+        for (req, chunk), rows in zip(chunks, logits):
             del req.pending[:len(chunk)]
-            budget -= len(chunk)
             self._cache_written(req, new_only=True)
             if not req.pending:
                 # a head recomputed after a preemption holds its own tokens past the prompt
                 group = [req] + (self._fork_waiting(req) if not req.tokens else [])
-                out += self._emit(group, np.repeat(logits[None], len(group), axis=0))
+                out += self._emit(group, np.repeat(rows, len(group), axis=0))
         return out
+
+    def _chunks(self) -> list[tuple[Request, list[int]]]:
+        """``(request, tokens)`` to prefill this step.  A request whose first block is the
+        first block of another one's prompt prefilling now waits a step, to find that block
+        in the prefix cache then instead of computing it again."""
+        chunks, budget, firsts = [], self.prefill_budget, set()
+        for req in [r for r in self.running if r.pending and r.handle is not None]:
+            if budget == 0:
+                break
+            if self.cache is not None and req.handle.length == 0:
+                self._adopt_cached(req)
+                first = tuple(req.pending[:self.pool.block_size])
+                if req.handle.length == 0 and len(first) == self.pool.block_size:
+                    if first in firsts:
+                        continue
+                    firsts.add(first)
+            chunks.append((req, req.pending[:budget]))
+            budget -= len(chunks[-1][1])
+        return chunks
 
     def _fork_waiting(self, head: Request) -> list[Request]:
         """The continuations of ``head`` still waiting, now running on forks of its sequence
@@ -327,22 +357,65 @@ class Scheduler:
             self.running.append(r)
         return forks
 
-    def _decode(self, rows: list[Request]) -> list[tuple[Request, int]]:
-        while rows:
+    def _decode(self, reqs: list[Request]) -> list[tuple[Request, int]]:
+        drafts = self._drafts(reqs)
+        while reqs:
+            rows = [Row(r.handle, [r.tokens[-1], *drafts.get(r, ())], all_logits=r in drafts)
+                    for r in reqs]
             try:
-                logits = self.session.step([r.handle for r in rows], [r.tokens[-1] for r in rows])
+                logits = self.runner.run(rows)
             except OutOfBlocksError as e:
+                if drafts:  # the drafts' positions first: a plain step may fit
+                    drafts = {}
+                    continue
                 if self._make_room(e.requested):
                     continue
                 victim = self._preempt()
                 if victim is None:
                     raise
-                rows = [r for r in rows if r is not victim]
+                reqs = [r for r in reqs if r is not victim]
                 continue
-            for r in rows:
+            out = self._emit([r for r in reqs if r not in drafts],
+                             np.concatenate([x for r, x in zip(reqs, logits) if r not in drafts])
+                             if len(drafts) < len(reqs) else None)
+            for r, x in zip(reqs, logits):
+                if r in drafts:
+                    out += self._emit_verified(r, x, drafts[r])
+            for r in reqs:
                 self._cache_written(r, new_only=True)
-            return self._emit(rows, logits)
+            return out
         return []
+
+    def _drafts(self, reqs: list[Request]) -> dict[Request, list[int]]:
+        """Tokens to verify per request this step.  One stream drafts as many as pay for their
+        verification; several fill only the rows their call's bucket would pad."""
+        if self.speculative is None or not reqs:
+            return {}
+        spare = (self.runner.max_rows - 1 if len(reqs) == 1
+                 else self.runner.bucket_for(len(reqs)) - len(reqs))
+        out = {}
+        for req in reqs:
+            room = min(spare, self.speculative.draft_tokens,
+                       req.max_tokens - len(req.tokens) - 1)
+            if room <= 0:
+                continue
+            if req.drafter is None:
+                req.drafter = NgramDrafter(self.speculative)
+            proposal = req.drafter.propose(req.prompt + req.tokens, room)
+            k = best_length(req.drafter.acceptance(), len(proposal), self._cost)
+            if len(reqs) > 1 and proposal:
+                k = len(proposal)  # free rows: any acceptance is a gain
+            if k:
+                out[req] = proposal[:k]
+                spare -= k
+        return out
+
+    def _cost(self, rows: int) -> float:
+        """A call over ``rows`` token rows, relative to one decode (measured once both ran)."""
+        one, many = self.runner.seconds.get(1), self.runner.cost(rows)
+        if one and many:
+            return many / one
+        return PRIOR_COST.get(self.runner.bucket_for(rows), float(rows))
 
     def _preempt(self) -> Request | None:
         """Free the newest running request's blocks and queue it first for recompute; None when
@@ -360,9 +433,12 @@ class Scheduler:
         self.waiting.insert(0, victim)
         return victim
 
-    def _emit(self, rows: list[Request], logits: np.ndarray) -> list[tuple[Request, int]]:
+    def _emit(self, rows: list[Request], logits: np.ndarray | None
+              ) -> list[tuple[Request, int]]:
         """Sample, record and check one token per row.  What fails for one row (its sampler,
         its constraint) ends that request alone as ``"error"`` (:attr:`failed`)."""
+        if not rows:
+            return []
         errors: dict[int, Exception] = {}
         constrained = any(r.constraint is not None for r in rows)
         tokens = self._sample(rows, _masked(rows, logits, errors) if constrained else logits,
@@ -373,23 +449,72 @@ class Scheduler:
             try:
                 if i in errors:
                     raise errors[i]
-                if req.top_logprobs is not None:
-                    entry = token_logprob(logits[i], token, req.top_logprobs)
-                if req.constraint is not None:
-                    req.constraint.accept(token)
+                self._take(req, token, logits[i], now)
             except Exception as e:  # noqa: BLE001 - one request's failure is its own
                 self._fail(req, e)
                 continue
-            if req.top_logprobs is not None:
-                req.logprobs.append(entry)
-            req.tokens.append(token)
-            req.token_times.append(now)
             out.append((req, token))
-            if token in req.stop_ids or (req.constraint is not None and req.constraint.done):
-                self._finish(req, "stop")
-            elif len(req.tokens) >= req.max_tokens:
-                self._finish(req, "length")
+            reason = self._ends(req, token)
+            if reason:
+                self._finish(req, reason)
         return out
+
+    def _emit_verified(self, req: Request, logits: np.ndarray, draft: list[int]
+                       ) -> list[tuple[Request, int]]:
+        """The tokens of a verification row: position ``i``'s token is sampled as without
+        speculation (given drafted token ``i``, :meth:`Sampler.sample_draft`), and the row
+        goes on while it equals the draft; the sequence then drops what the rejected drafts
+        wrote, before anything can end the request."""
+        out, reason, now = [], None, time.perf_counter()
+        try:
+            for i, row in enumerate(logits):
+                if req.constraint is not None:
+                    row = np.where(req.constraint.allowed(), row, np.float32(-np.inf))
+                token = (req.sampler.sample_draft(row, draft[i]) if i < len(draft)
+                         else req.sampler.sample(row))
+                self._take(req, token, logits[i], now)
+                out.append((req, token))
+                reason = self._ends(req, token)
+                if reason or i == len(draft) or token != draft[i]:
+                    break
+        except Exception as e:  # noqa: BLE001 - that request's failure
+            self._verified(req, draft, len(out))
+            self._fail(req, e)
+            return out
+        self._verified(req, draft, len(out))
+        if reason:
+            self._finish(req, reason)
+        return out
+
+    def _verified(self, req: Request, draft: list[int], taken: int) -> None:
+        accepted = sum(1 for t, d in zip(req.tokens[len(req.tokens) - taken:], draft) if t == d)
+        req.handle.truncate_to(len(req.prompt) + len(req.tokens) - 1)
+        req.drafter.record(len(draft), accepted)
+        req.drafted += len(draft)
+        req.accepted += accepted
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += accepted
+
+    def _take(self, req: Request, token: int, logits: np.ndarray, now: float) -> None:
+        """Record ``token`` as ``req``'s next (its log-probability and grammar first)."""
+        if req.top_logprobs is not None:
+            entry = token_logprob(logits, token, req.top_logprobs)
+        if req.constraint is not None:
+            req.constraint.accept(token)
+        if req.top_logprobs is not None:
+            req.logprobs.append(entry)
+        req.tokens.append(token)
+        req.token_times.append(now)
+
+    @staticmethod
+    def _ends(req: Request, token: int) -> str | None:
+        """Why ``token`` ends ``req`` (``"stop"``, ``"length"``), or None: the one place a
+        request's own limits end it."""
+        if token in req.stop_ids or (req.constraint is not None and req.constraint.done):
+            return "stop"
+        if len(req.tokens) >= req.max_tokens:
+            return "length"
+        return None
 
     @staticmethod
     def _sample(rows: list[Request], logits: np.ndarray, errors: dict) -> list[int]:

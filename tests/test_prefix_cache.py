@@ -74,13 +74,17 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
 
 def test_requests_running_together_share_their_system_prompt(tiny):
     """Blocks are cached as they fill and looked up when a prefill starts: four requests added
-    at once prefill the shared prompt once, hold its blocks once, and each equals its solo
+    at once prefill the shared prompt once (the first; the others, whose first block it
+    writes, wait one step and find it cached), hold its blocks once, and each equals its solo
     run."""
     artifact, weights = tiny
     pool = make_pool(artifact, 40)
     sched = Scheduler(artifact, weights, pool)
     prompts = [SYSTEM + [60 + i, 70 + i] for i in range(4)]
     reqs = [sched.add(p, max_tokens=6) for p in prompts]
+    sched.step()
+    assert [bool(r.tokens) for r in reqs] == [True, False, False, False]
+    assert sched.cache.hits == 0
     sched.step()
     assert sched.cache.hits == 3 and sched.cache.tokens_saved == 3 * 8
     assert len({tuple(r.handle.blocks[:2]) for r in reqs}) == 1  # the same two blocks

@@ -67,7 +67,7 @@ def test_requests_joining_and_leaving_equal_their_solo_runs(tiny):
     assert [reqs[j].tokens for j in range(12)] == _solo(tiny, jobs)
     assert all(reqs[j].finish_reason == "length" for j in range(12))
     assert _all_free(sched)
-    assert all(c <= 1 for c in sched.session.plan_builds.values())
+    assert all(c <= 1 for c in sched.runner.plan_builds.values())
 
 
 def test_preemption_under_a_small_pool_finishes_every_request_unchanged(tiny):
@@ -487,13 +487,13 @@ def test_cancel_all_ends_every_request_and_the_engine_goes_on(engines, monkeypat
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engines, monkeypatch):
     batch, solo = engines
-    real = batch.scheduler.session.step
+    real = batch.scheduler.runner.run
 
     def broken(*args):
-        monkeypatch.setattr(batch.scheduler.session, "step", real)  # fails once
+        monkeypatch.setattr(batch.scheduler.runner, "run", real)  # fails once
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(batch.scheduler.session, "step", broken)
+    monkeypatch.setattr(batch.scheduler.runner, "run", broken)
     stream = batch.submit("hello", max_new_tokens=8)
     with pytest.raises(RuntimeError, match="simulated kernel failure"):
         stream.text()

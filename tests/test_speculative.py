@@ -1,0 +1,125 @@
+"""Speculative decoding: prompt-lookup drafts verified in one step give exactly the tokens of
+decoding without them (greedy), the same log-probabilities at every step (nothing a rejected
+draft wrote is read), and with sampling exactly the sampler's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_decode.runtime.errors import InputError
+from paged_decode.runtime.sampling import Sampler, SamplingParams, filtered_probs
+from paged_decode.runtime.scheduler import Scheduler
+from paged_decode.runtime.speculative import (NgramDrafter, SpeculativeConfig, best_length,
+                                              expected_tokens)
+
+from .conftest import BUCKETS, LOGIT_TOL, make_pool
+
+OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
+SPEC = SpeculativeConfig(draft_tokens=7)
+
+
+@pytest.fixture
+def tiny(load):
+    return load("tiny", **OPTS)
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so lookup finds drafts (the random model's greedy
+    output then repeats too)."""
+    rng = np.random.default_rng(3)
+    return [rng.integers(2, vocab, size=5 + i).tolist() * 2 for i in range(n)]
+
+
+def _run(artifact, weights, prompts, speculative, **request):
+    sched = Scheduler(artifact, weights, make_pool(artifact, 120), speculative=speculative)
+    reqs = [sched.add(p, **request) for p in prompts]
+    while sched.has_work:
+        sched.step()
+    sched.cache.evict(sched.pool.num_blocks)  # no block leaked, rejected drafts' included
+    sched.pool.allocator.check_invariants()
+    assert sched.pool.num_free == sched.pool.num_blocks
+    return reqs, sched
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_greedy_speculation_changes_no_token_and_no_logprob(tiny, streams):
+    artifact, weights = tiny
+    prompts = _prompts(streams, artifact.manifest.vocab_size)
+    opts = dict(max_tokens=40, top_logprobs=3)
+    plain, _ = _run(artifact, weights, prompts, None, **opts)
+    spec, sched = _run(artifact, weights, prompts, SPEC, **opts)
+    assert sched.drafted_tokens > 0 and sched.accepted_tokens > 0  # it did speculate
+    for a, b in zip(plain, spec):
+        assert b.tokens == a.tokens and b.finish_reason == a.finish_reason == "length"
+        for x, y in zip(a.logprobs, b.logprobs):  # every step's distribution, as computed
+            np.testing.assert_allclose([x.logprob] + [p for _, p in x.top],
+                                       [y.logprob] + [p for _, p in y.top],
+                                       atol=LOGIT_TOL["float32"] * 10, rtol=0)
+    assert sched.accepted_tokens <= sched.drafted_tokens
+
+
+def test_a_stop_id_inside_accepted_drafts_ends_the_request_there(tiny):
+    artifact, weights = tiny
+    prompts = _prompts(1, artifact.manifest.vocab_size)
+    plain, _ = _run(artifact, weights, prompts, None, max_tokens=40)
+    stop = plain[0].tokens[20]  # a token the repetition makes a verification accept
+    first = plain[0].tokens.index(stop)
+    spec, _ = _run(artifact, weights, prompts, SPEC, max_tokens=40, stop_ids=[stop])
+    assert spec[0].tokens == plain[0].tokens[:first + 1]
+    assert spec[0].finish_reason == "stop"
+
+
+def test_speculation_needs_batch_buckets(load):
+    artifact, weights = load("tiny", block_size=4, max_context=64)
+    with pytest.raises(InputError, match="--batch-buckets"):
+        Scheduler(artifact, weights, make_pool(artifact, 20), speculative=SPEC)
+
+
+@pytest.mark.parametrize("bad", [dict(method="eagle"), dict(draft_tokens=0),
+                                 dict(draft_tokens=2.5), dict(ngram_min=3, ngram_max=2)])
+def test_bad_speculative_options_are_refused(bad):
+    with pytest.raises(InputError):
+        SpeculativeConfig(**bad)
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    drafter = NgramDrafter(SpeculativeConfig(ngram_max=3, ngram_min=1))
+    seq = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert drafter.propose(seq, 3) == [4, 5, 7] and drafter.match == 2  # [2, 3] latest at 6
+    assert drafter.propose(seq + [4], 2) == [5, 7] and drafter.match == 3
+    assert drafter.propose([8, 6], 4) == [] and drafter.match == 0
+
+
+def test_draft_length_follows_acceptance():
+    def cost(rows):
+        return {2: 1.2, 4: 1.6, 8: 2.4}[1 << (rows - 1).bit_length()]
+
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    assert best_length(0.1, 7, cost) == 0  # a verification would not pay for itself
+    assert best_length(0.6, 7, cost) in (1, 3)
+    assert best_length(0.95, 7, cost) == 7
+    drafter = NgramDrafter(SPEC)
+    drafter.propose([1, 2, 1], 3)
+    before = drafter.acceptance()
+    for _ in range(10):
+        drafter.record(3, 0)
+    assert drafter.acceptance() < before / 3
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1),
+                                    SamplingParams(temperature=1.3, top_k=5, top_p=0.9, seed=2)])
+@pytest.mark.parametrize("draft", [0, 3, 7])
+def test_draft_sampling_keeps_the_samplers_distribution(params, draft):
+    """Rejection sampling with a drafted token: over many draws each token's frequency is its
+    probability under the sampler's filters (every cell within 4.5 standard deviations)."""
+    logits = np.array([2.0, 1.5, 0.3, -1.0, 0.9, 1.1, -0.2, 0.0], np.float32)
+    ids, probs = filtered_probs(logits, params)
+    want = np.zeros(len(logits))
+    want[ids] = probs
+    sampler, n = Sampler(params), 20000
+    counts = np.bincount([sampler.sample_draft(logits, draft) for _ in range(n)],
+                         minlength=len(logits))
+    sd = np.sqrt(n * want * (1 - want)) + 1e-9
+    assert (np.abs(counts - n * want) <= 4.5 * sd + 1).all(), (counts, n * want)
+    assert counts[want == 0].sum() == 0  # a filtered-out draft is never taken
