@@ -110,10 +110,11 @@ def build_options(fn):
         click.option("--cache-dtype", default="float32", show_default=True, type=DTYPE),
         click.option("--weight-dtype", "--weight-format", "weight_dtype", default="auto",
                      show_default=True, type=click.Choice(
-                         ["auto", "float32", "float16", "q8_0", "q4_0", "q4_1", "q5_0",
-                          "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"]),
+                         ["auto", "float32", "float16", "bfloat16", "q8_0", "q4_0", "q4_1",
+                          "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"]),
                      help="how matrices are stored and read: auto keeps a GGUF's own formats "
-                     "(float32 for HF checkpoints); float32 / float16 dequantize; q8_0 / q4_0 "
+                     "(HF checkpoints: bfloat16 where stored so, else float32); float32 / "
+                     "float16 / bfloat16 dequantize; q8_0 / q4_0 "
                      "/ q4_1 / q5_0 / q5_1 / q4_k / q5_k / q6_k quantize (the LM head in q8_0); "
                      "q4_k_m / "
                      "q5_k_m: llama.cpp's mixes of those names (Q6_K LM head, V and down "

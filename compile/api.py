@@ -25,7 +25,7 @@ from paged_decode.runtime.versions import WEIGHTS_FORMAT
 
 from . import cache
 from .build import build_into, make_spec, manifest_for
-from .kernels.registry import kernels_for, no_quantized_kernels
+from .kernels.registry import kernels_for, no_byte_weights, no_quantized_kernels
 from .model import BuildSpec
 from .params import param_specs
 from .targets import TargetSpec, resolve_target
@@ -209,7 +209,8 @@ def _spec(source, tspec, block_size, max_context, max_blocks_cap, cache_dtype, w
                           "batched decode kernels (its device code has no int64 buffers); "
                           "build it with --batch-buckets none")
     no_quantized = no_quantized_kernels(tspec.kind, tspec.target)
-    base, formats = resolve_formats(source, weight_dtype, no_quantized=no_quantized)
+    base, formats = resolve_formats(source, weight_dtype, no_quantized=no_quantized,
+                                    no_bytes=no_byte_weights(tspec.kind))
     if tspec.kind == "llvm" and not no_quantized:
         base, formats = interleave_formats(source.config, base, formats)
     spec = make_spec(source.config, block_size=block_size, max_blocks_cap=max_blocks_cap,

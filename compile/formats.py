@@ -21,7 +21,7 @@ __all__ = ["FLOAT_FORMATS", "FORMATS", "INTERLEAVED", "QBLOCK", "QK_K", "QUANT_F
            "ROW_GROUP", "USER_FORMATS", "WeightFormat", "by_gguf_type", "interleaved"]
 
 
-class _Float(codec.Float, cpu.CpuPieces, gpu.GpuPieces):
+class _Float(codec.Float, cpu.FloatCpu, gpu.FloatGpu):
     pass
 
 
@@ -77,6 +77,7 @@ class _Q6KRows8(codec_x8.Q6KRows8, cpu_x8.Q6KRows8Cpu, gpu.GroupedGpu):
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (
     _Float("float32", 4, "F32"),
     _Float("float16", 2, "F16"),
+    _Float("bfloat16", 2, "BF16"),
     _Q8_0("q8_0", 34, "Q8_0"),
     _Q4_0("q4_0", 18, "Q4_0"),
     _Q4_1("q4_1", 20, "Q4_1"),
@@ -94,7 +95,7 @@ INTERLEAVED = {f.base.name: f for f in (
     _Q6KRows8(FORMATS["q6_k"], INTERLEAVED_SUFFIX))}
 USER_FORMATS = tuple(FORMATS)  # what --weight-dtype takes
 FORMATS.update({f.name: f for f in INTERLEAVED.values()})
-FLOAT_FORMATS = ("float32", "float16")
+FLOAT_FORMATS = codec.FLOAT_NAMES
 QUANT_FORMATS = tuple(n for n in USER_FORMATS if FORMATS[n].quantized)
 
 

@@ -29,7 +29,8 @@ from paged_decode.runtime.manifest import K_QUANT_FALLBACKS, K_QUANT_MIXES
 from . import arch as families
 from . import config as config_mod
 from .config import ModelConfig
-from .formats import FORMATS, QUANT_FORMATS, USER_FORMATS, by_gguf_type, interleaved
+from .formats import (FLOAT_FORMATS, FORMATS, QUANT_FORMATS, USER_FORMATS, by_gguf_type,
+                      interleaved)
 from .gguf_checks import check_finite_array, check_values, check_vocabulary, open_checked
 from .params import interleave_gate_up, matrix_shapes, param_specs
 from .rope import qk_row_order, qk_row_scale
@@ -234,7 +235,7 @@ def _assemble(cfg: ModelConfig, get, specs, raw=None) -> dict[str, np.ndarray]:
     for spec in specs:
         parts = _hf_parts(cfg, spec.name)
         fmt = FORMATS[spec.format]
-        if raw is not None and spec.logical and fmt.quantized:
+        if raw is not None and spec.logical and fmt.byte_rows:
             # an interleaved layout regroups the file's rows
             pieces = [raw(hf_name, fmt.rows.name) for hf_name, _shape in parts]
             if all(p is not None for p in pieces):
@@ -704,7 +705,7 @@ def _gguf_getter(path: Path, cfg: ModelConfig):
         if tensor is None:
             raise WeightsError(f"tensor {gguf_name(name, cfg.arch)} (HF {name}) is missing "
                                f"from {path}")
-        if by_gguf_type(tensor.tensor_type.name) is None and tensor.tensor_type.name != "BF16":
+        if by_gguf_type(tensor.tensor_type.name) is None:
             log.warning("%s in %s is %s, which does not run natively: dequantized", tensor.name,
                         path, tensor.tensor_type.name)
         try:
@@ -756,15 +757,27 @@ def gguf_matrix_types(source: ModelSource) -> dict[str, list[str]]:
 WEIGHT_POLICIES = ("auto", *USER_FORMATS, *K_QUANT_MIXES)
 
 
-def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, str]:
+def _auto_formats(source: ModelSource, no_quantized: str | None, no_bytes: str | None
+                  ) -> dict[str, str]:
+    """``{matrix: format}`` of "auto" (``resolve_formats``); ``no_bytes``: why the target reads
+    no bfloat16 (each BF16 matrix then kept exact in float16 or float32)."""
+    chosen = (_hf_auto_formats(source) if source.kind == "hf"
+              else _gguf_auto_formats(source, no_quantized))
+    if no_bytes:
+        chosen = {name: ("float32" if source.kind == "hf" else _bf16_format(source, name))
+                  if fmt == "bfloat16" else fmt for name, fmt in chosen.items()}
+    return chosen
+
+
+def _gguf_auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, str]:
     """A GGUF's own format per matrix parameter where it runs natively, else float16; a layer
     whose V is stored apart from Q / K in another native format keeps its rows apart
     (``params.split_qkv``: Q4_K_M's Q6_K V in some layers).  ``no_quantized``: why the target
     runs no quantized format (each is then dequantized, with one warning saying why)."""
     chosen, dequantized = {}, set()
     for name, types in gguf_matrix_types(source).items():
-        if set(types) == {"BF16"}:
-            chosen[name] = _bf16_format(source, name)
+        if "BF16" in types and not _stored_as_read(source.config, name):
+            chosen[name] = "float32"  # holds the scaled bfloat16 values exactly
             continue
         fmts = [by_gguf_type(t) for t in types]
         dequantized.update(f.name for f in fmts if f is not None and f.quantized and no_quantized)
@@ -784,11 +797,27 @@ def _auto_formats(source: ModelSource, no_quantized: str | None) -> dict[str, st
     return chosen
 
 
+def _stored_as_read(cfg: ModelConfig, name: str) -> bool:
+    """Whether matrix ``name`` is stored as the checkpoint holds it; not so for Q / K rows that
+    take ``rope_attn_factor`` (``rope.qk_row_scale``), whose products bfloat16 would round."""
+    return qk_row_scale(cfg) is None or not name.endswith(("wqkv", "wqk"))
+
+
+def _hf_auto_formats(source: ModelSource) -> dict[str, str]:
+    """bfloat16 for each matrix an HF checkpoint stores wholly in BF16 (its values as they are,
+    2 bytes each), float32 for the others (every F32 / F16 value exact)."""
+    found = _rows_found(source.config, _hf_tensors(source.path)[1].get)
+    return {name: "bfloat16" if _stored_as_read(source.config, name) and all(
+                found(hf)[1] == "BF16" for hf, _shape in _hf_parts(source.config, name))
+            else "float32" for name in matrix_shapes(source.config)}
+
+
 def _bf16_format(source: ModelSource, name: str) -> str:
-    """The format of a matrix with parts a GGUF stores in BF16: float16 where every BF16 value
-    is one (bfloat16's 8 significant bits fit float16's 11 inside float16's exponent range),
-    else float32, which holds every bfloat16 value: a bfloat16 weight is never rounded, flushed
-    or overflowed by float16's narrower range."""
+    """The format of a GGUF matrix with BF16 parts where bfloat16 cannot hold it (parts of
+    another type too, or a target without bfloat16 kernels): float16 where every BF16 value is
+    one (bfloat16's 8 significant bits fit float16's 11 inside float16's exponent range), else
+    float32, which holds every bfloat16 value: a bfloat16 weight is never rounded, flushed or
+    overflowed by float16's narrower range."""
     tensors = {t.name: t for t in _open_gguf(source.path).tensors}
     parts = [tensors[gguf_name(stored_rows(source.config, hf)[0], source.config.arch)]
              for hf, _shape in _hf_parts(source.config, name)]
@@ -840,34 +869,41 @@ def _mix_formats(cfg: ModelConfig, base: str, head: str) -> dict[str, str]:
     return chosen
 
 
-def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None = None
-                    ) -> tuple[str, tuple[tuple[str, str], ...]]:
+def resolve_formats(source: ModelSource, policy: str, no_quantized: str | None = None,
+                    no_bytes: str | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
     """``(weight_dtype, weight_formats)`` for ``policy``: the format of most matrices and the
     ``(name, format)`` exceptions.
 
-    - "float32" / "float16": every matrix dequantized (or converted) to it.
+    - "float32" / "float16" / "bfloat16": every matrix dequantized (or converted: bfloat16
+      rounds to nearest even, as torch does) to it.
     - a quantized format: every matrix quantized to it, except the LM head (the tied
       embedding) in q8_0, as llama.cpp keeps the output tensor at a higher precision; a matrix
       whose rows are not whole blocks takes ``K_QUANT_FALLBACKS`` (k-quants), else float16.
     - "q4_k_m" / "q5_k_m": llama.cpp's mix of that name (``K_QUANT_MIXES``), tensor for tensor,
       with the same row-length fallback.
-    - "auto": a GGUF's own formats, tensor by tensor, where they run natively (a matrix whose
-      parts differ in type, or of a type without kernels here, becomes float16 with a
-      warning naming it); float32 for HF checkpoints and presets.
+    - "auto": a GGUF's own formats, tensor by tensor, where they run natively (BF16 as
+      bfloat16; a matrix whose parts differ in type, or of a type without kernels here,
+      becomes float16 with a warning naming it); for HF checkpoints bfloat16 where a matrix
+      is stored in BF16, else float32; float32 for presets.
     ``no_quantized`` (why the target has no quantized kernels, or None): "auto" then
     dequantizes to float16 and an explicit quantized format is a :class:`ConfigError`.
+    ``no_bytes`` (why the target reads no weights stored as bytes, or None): bfloat16 then
+    becomes what ``_bf16_format`` picks ("auto"; float32 for HF), or is a ConfigError.
     """
     if policy not in WEIGHT_POLICIES:
         raise ConfigError(f"weight_dtype={policy!r}: choose one of {list(WEIGHT_POLICIES)}")
     if (policy in QUANT_FORMATS or policy in K_QUANT_MIXES) and no_quantized:
         raise ConfigError(f"weight_dtype={policy!r}: {no_quantized}; choose float16 (or "
                           "auto, which dequantizes a GGUF's quantized tensors) on this target")
+    if policy == "bfloat16" and no_bytes:
+        raise ConfigError(f"weight_dtype='bfloat16': {no_bytes}; choose float16 or float32 "
+                          "(or auto, which keeps BF16 weights exact in one of them)")
     shapes = matrix_shapes(source.config)
     head = "embed" if source.config.tie_word_embeddings else "lm_head"
-    if policy in ("float32", "float16") or (policy == "auto" and source.kind != "gguf"):
+    if policy in FLOAT_FORMATS or (policy == "auto" and source.kind == "preset"):
         return ("float32" if policy == "auto" else policy), ()
     if policy == "auto":
-        chosen = _auto_formats(source, no_quantized)
+        chosen = _auto_formats(source, no_quantized, no_bytes)
     elif policy in K_QUANT_MIXES:
         chosen = _mix_formats(source.config, K_QUANT_MIXES[policy], head)
     else:

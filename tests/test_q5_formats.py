@@ -69,17 +69,14 @@ def _bf16_bits(x: np.ndarray, flush_below: float = 0.0) -> np.ndarray:
     return bits.view(np.uint8).reshape(x.shape[0], -1)
 
 
-def _from_bf16(raw: np.ndarray) -> np.ndarray:
-    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def test_q5_bf16_and_f16_tensors_pack_natively(llama_wide_ckpt, tmp_path, caplog):
     """A GGUF mixing Q5_1 (the embedding), Q5_0, F16 and BF16 matrices beside Q8_0 ones loads
-    without a dequantization warning: Q5 blocks are the file's bytes, an F16 matrix its
-    float16 values, a BF16 matrix float16 where every value is a float16 (none below float16's
-    smallest normal 2^-14) and float32 (each value exact) where some are not (a weight of 1e5
-    in the up projection, whose gate then takes float32 too; in the down projection, the
-    random weights' own values below 2^-14 that float16 would round)."""
+    without a dequantization warning: Q5 blocks and BF16 values are the file's bytes (a BF16
+    matrix is bfloat16, a weight of 1e5 and one of 1e-7 among them), an F16 matrix its float16
+    values.  On a target without bfloat16 kernels (no 8-bit buffers) a BF16 matrix is float16
+    where every value is a float16 (none below float16's smallest normal 2^-14) and float32
+    (each value exact) where some are not (the 1e5 weight in the up projection, whose gate then
+    takes float32 too; in the down projection, the random weights' own values below 2^-14)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -115,12 +112,15 @@ def test_q5_bf16_and_f16_tensors_pack_natively(llama_wide_ckpt, tmp_path, caplog
     path = write_llama_gguf(tmp_path / "mixed.gguf", llama_wide_ckpt, cfg,
                             formats=lambda name: "q8_0", raw=raw)
     source = resolve_model(str(path))
+    natives = {"embed": "q5_1", "layers.0.wo": "q5_0", "layers.0.w_down": "float16"}
     with caplog.at_level("WARNING"):
         base, others = resolve_formats(source, "auto")
         assert (base, dict(others)) == ("q8_0", {
-            "embed": "q5_1", "layers.0.wo": "q5_0", "layers.0.w_down": "float16",
-            "layers.0.w_gate_up": "float16", "layers.1.w_down": "float32",
-            "layers.1.w_gate_up": "float32"})
+            **natives, "layers.0.w_gate_up": "bfloat16", "layers.1.w_down": "bfloat16",
+            "layers.1.w_gate_up": "bfloat16"})
+        assert dict(resolve_formats(source, "auto", no_bytes="no 8-bit buffers")[1]) == {
+            **natives, "layers.0.w_gate_up": "float16", "layers.1.w_down": "float32",
+            "layers.1.w_gate_up": "float32"}
         out = tmp_path / "pack"
         out.mkdir()
         write_weight_pack(source, base, out, others)
@@ -128,18 +128,15 @@ def test_q5_bf16_and_f16_tensors_pack_natively(llama_wide_ckpt, tmp_path, caplog
     packed = load_file(str(out / "params.safetensors"))
     for name, param in params.items():
         type_name, stored = raw[name]
-        if type_name in ("Q5_0", "Q5_1"):
+        if type_name == "F16":
+            assert packed[param].dtype == np.float16, param
+            np.testing.assert_array_equal(packed[param], stored.view(np.float16), err_msg=param)
+        else:  # Q5 blocks, bfloat16 values: the file's bytes
             np.testing.assert_array_equal(packed[param], stored, err_msg=param)
-        else:
-            want = stored.view(np.float16) if type_name == "F16" else _from_bf16(stored)
-            assert packed[param].dtype == {"layers.1.w_down": np.float32}.get(
-                param, np.float16), param
-            np.testing.assert_array_equal(packed[param].astype(np.float32),
-                                          want.astype(np.float32), err_msg=param)
     I = cfg.intermediate_size
-    for layer, dtype in ((0, np.float16), (1, np.float32)):
+    for layer in (0, 1):
         both = packed[f"layers.{layer}.w_gate_up"]
-        assert both.dtype == dtype
+        assert both.dtype == np.uint8  # 2 bytes a weight
         for up, part in ((False, "gate"), (True, "up")):
-            rows = both[[gate_up_row(i, I, up) for i in range(I)]].astype(np.float32)
-            np.testing.assert_array_equal(rows, _from_bf16(raw[f"blk.{layer}.ffn_{part}.weight"][1]))
+            rows = both[[gate_up_row(i, I, up) for i in range(I)]]
+            np.testing.assert_array_equal(rows, raw[f"blk.{layer}.ffn_{part}.weight"][1])

@@ -86,8 +86,8 @@ def test_float16_is_rounded_float32(qwen2_ckpt):
 
 
 def test_weight_dtype_rejected(llama_ckpt):
-    with pytest.raises(ConfigError, match="bfloat16"):
-        resolve_model(str(llama_ckpt.path)).load_params("bfloat16")
+    with pytest.raises(ConfigError, match="'bfloat8'"):
+        resolve_model(str(llama_ckpt.path)).load_params("bfloat8")
 
 
 def test_weights_key_follows_values(llama_ckpt, tmp_path):

@@ -4,16 +4,10 @@ A format knows how a ``[N, K]`` matrix is stored in the weight pack (``storage``
 weight, how to make it from float32 (``quantize``) and read it back (``dequantize``), bit for
 bit as the ``gguf`` package does; the k-quants' quantizer is ggml's reference one, a host TIR
 kernel (``kquant``) imported where a k-quant is quantized.  ``codec_x8`` holds the CPU layouts
-with 8 rows interleaved, ``cpu`` / ``cpu_x8`` and ``gpu`` the kernels' pieces over the bytes;
-``compile/formats.py`` joins them into one object per format.
-
-A format knows how a ``[N, K]`` matrix is stored in the weight pack (``storage``), its bytes per
-weight, how to make it from float32 (``quantize``) and read it back (``dequantize``), and the
-pieces the kernels build on: vector TIR for the CPU (``dequant16``, ``int_dot``, see
-``kernels/cpu/quant.py``) and portable scalar TIR for the GPUs (``unit_scale``, ``quant``,
-``weight``, see ``kernels/gpu/gemv.py``).  The kernels, the parameter layout, the weight
-loader and the quantizer look formats up here by name; adding a format is adding an object to
-``FORMATS``.
+with 8 rows interleaved, ``cpu`` / ``cpu_x8`` and ``gpu`` the kernels' pieces over the bytes
+(vector TIR for the CPU, portable scalar TIR for the GPUs); ``compile/formats.py`` joins them
+into one object per format, in ``FORMATS``, where the kernels, the parameter layout, the
+weight loader and the quantizer look formats up by name.
 
 On CPU targets (``interleaved``) the matrices in Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K /
 Q6_K take the same blocks with 8 rows interleaved (``q8_0x8``, ``q4_0x8``, ``q4_1x8``,
@@ -30,6 +24,7 @@ import numpy as np
 
 QBLOCK = 32  # weights per kernel unit; the block of the 32-weight formats
 QK_K = 256  # weights per super-block of the k-quants
+FLOAT_NAMES = ("float32", "float16", "bfloat16")  # the unquantized formats, one value a weight
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -122,7 +117,14 @@ class WeightFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.name not in ("float32", "float16")
+        return self.name not in FLOAT_NAMES
+
+    @property
+    def byte_rows(self) -> bool:
+        """Whether the pack stores the matrix as its rows' bytes (uint8): a quantized format's
+        blocks, bfloat16's 2-byte values (numpy and the pack's safetensors reader have no
+        bfloat16), copied as they are from a GGUF tensor of the same ``gguf_type``."""
+        return self.quantized
 
     @property
     def block(self) -> int:
@@ -134,12 +136,10 @@ class WeightFormat:
 
     def storage(self, N: int, K: int) -> tuple[tuple[int, int], str]:
         """(shape, dtype) of a ``[N, K]`` matrix in the pack."""
-        if not self.quantized:
-            return (N, K), self.name
         return (N, K // self.block * self.block_bytes), "uint8"
 
     def row_bytes(self, K: int) -> int:
-        return self.storage(1, K)[0][1] * (1 if self.quantized else self.block_bytes)
+        return K // self.block * self.block_bytes
 
     def fits(self, K: int) -> bool:
         """Whether rows of ``K`` weights can be stored (whole blocks)."""
@@ -147,15 +147,11 @@ class WeightFormat:
 
     # numpy: float32 [N, K] <-> storage
     def quantize(self, w: np.ndarray) -> np.ndarray:
-        if not self.quantized:
-            return np.ascontiguousarray(w, dtype=self.name)
         n, k = w.shape
         blocks = np.asarray(w, np.float32).reshape(n * (k // self.block), self.block)
         return self._quantize_blocks(blocks).reshape(n, -1)
 
     def dequantize(self, packed: np.ndarray, K: int) -> np.ndarray:
-        if not self.quantized:
-            return np.asarray(packed, np.float32)
         n = packed.shape[0]
         blocks = np.ascontiguousarray(packed).reshape(n * (K // self.block), self.block_bytes)
         return self._dequantize_blocks(blocks).reshape(n, K)
@@ -168,7 +164,41 @@ class WeightFormat:
 
 
 class Float(WeightFormat):
-    """float32 / float16: the values as they are."""
+    """float32 / float16: the values as they are; bfloat16: each value's 2 bytes (the high half
+    of its float32), little-endian, ``(N, 2 K)`` uint8 in the pack, widened exactly by the
+    kernels (bits << 16)."""
+
+    @property
+    def byte_rows(self) -> bool:
+        return self.name == "bfloat16"
+
+    def storage(self, N: int, K: int) -> tuple[tuple[int, int], str]:
+        if self.byte_rows:
+            return (N, 2 * K), "uint8"
+        return (N, K), self.name
+
+    def quantize(self, w: np.ndarray) -> np.ndarray:
+        if self.name == "bfloat16":
+            return bf16_bits(np.asarray(w, np.float32)).view(np.uint8)
+        return np.ascontiguousarray(w, dtype=self.name)
+
+    def dequantize(self, packed: np.ndarray, K: int) -> np.ndarray:
+        if self.name == "bfloat16":
+            return bf16_values(np.ascontiguousarray(packed).view("<u2"))
+        return np.asarray(packed, np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 patterns of float32 ``x``, rounded to nearest even as torch's
+    ``.to(torch.bfloat16)`` does (a NaN becomes its quiet NaN 0x7FC0)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 of uint16 bfloat16 patterns: exact (the pattern is the float32's high half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class Q8_0(WeightFormat):

@@ -109,6 +109,31 @@ class CpuPieces:
             self.wide16(Wv, c, b, 1), x16.vload([x0 + 16], "int16x16"))
 
 
+class FloatCpu(CpuPieces):
+    """The float formats' pieces: the float kernels (``kernels/cpu/gemv.py``, ``linear.py``,
+    ``batch.py``, ``norm.py``) read a stored matrix through ``elements`` (one element a weight)
+    and take each element to float32 with ``widen``."""
+
+    @property
+    def element_dtype(self) -> str:
+        """The dtype of one weight as the kernels load it (bfloat16: its uint16 pattern)."""
+        return "uint16" if self.name == "bfloat16" else self.name
+
+    def elements(self, W):
+        """W as ``(rows, K)`` weights of ``element_dtype``: itself, or bfloat16's ``(rows,
+        2 K)`` bytes viewed as uint16."""
+        if self.name != "bfloat16":
+            return W
+        return T.decl_buffer((W.shape[0], W.shape[1] // 2), "uint16", data=W.data)
+
+    def widen(self, v):
+        """float32 of a scalar element of ``elements`` (the kernels' vectorized loops make it a
+        vector op): bfloat16's pattern shifted into the high half of a float32, exact."""
+        if self.name != "bfloat16":
+            return T.Cast("float32", v)
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", v), T.uint32(16)))
+
+
 class Q8_0Cpu(CpuPieces):
     def dequant16(self, Wv, c, b, half):
         q = Wv[1].vload([c, b * 34 + 2 + 16 * half], "int8x16")

@@ -69,6 +69,17 @@ class GpuPieces:
         return w + self.unit_offset(W8, c, b) if self.has_offset else w
 
 
+class FloatGpu(GpuPieces):
+    def weight(self, W, c, k):
+        """float32: weight ``k`` of row ``c``: a float32 / float16 element cast, a bfloat16 one
+        from its 2 stored bytes (bits << 16, exact), as bytes like every format here."""
+        if self.name != "bfloat16":
+            return T.Cast("float32", W[c, k])
+        bits = T.bitwise_or(T.Cast("uint32", W[c, 2 * k]),
+                            T.shift_left(T.Cast("uint32", W[c, 2 * k + 1]), T.uint32(8)))
+        return T.reinterpret("float32", T.shift_left(bits, T.uint32(16)))
+
+
 class Q8_0Gpu(GpuPieces):
     def quant(self, W8, c, b, j):
         return _i8_scalar(W8, c, b * 34 + 2 + j)

@@ -29,10 +29,10 @@ def pick_tile(n: int, candidates=(8, 4, 2, 1)) -> int:
 
 
 def dtype_tag(dtype: str) -> str:
-    """A kernel name's tag for a weight dtype: f32 / f16, or a quantized format's name."""
+    """A kernel name's tag for a weight dtype: f32 / f16 / bf16, or a quantized format's name."""
     if FORMATS[dtype].quantized:
         return dtype
-    return {"float32": "f32", "float16": "f16"}[dtype]
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[dtype]
 
 
 def const_tag(v: float) -> str:

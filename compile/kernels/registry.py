@@ -12,7 +12,7 @@ import dataclasses
 from .kernel_set import KernelSet
 
 __all__ = ["BYTE_BUFFER_GPUS", "KernelSet", "NO_INT64_BUFFERS", "kernels_for",
-           "no_quantized_kernels"]
+           "no_byte_weights", "no_quantized_kernels"]
 
 
 # Targets whose device code cannot hold int64 buffers (WGSL has no i64): their artifacts have
@@ -43,6 +43,14 @@ def no_quantized_kernels(target_kind: str, target=None) -> str | None:
     why = _NO_BYTE_BUFFERS.get(target_kind, f"{target_kind} has no quantized kernels")
     return (f"{target_kind}: {why} (quantized weights run on llvm with AVX2 and on "
             f"{', '.join(BYTE_BUFFER_GPUS)})")
+
+
+def no_byte_weights(target_kind: str) -> str | None:
+    """Why a target's kernels cannot read weights stored as bytes (the quantized formats and
+    bfloat16), or None: only GPUs without 8-bit buffers."""
+    if target_kind == "llvm" or target_kind in BYTE_BUFFER_GPUS:
+        return None
+    return f"{target_kind}: {_NO_BYTE_BUFFERS.get(target_kind, 'no kernels over weight bytes')}"
 
 
 def kernels_for(target_kind: str, target=None) -> KernelSet:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import (attention_batch_func, attention_options, matmul_func,
@@ -152,24 +153,26 @@ def _rows_dot_macro(K: int, wdt: str, B: int, locality: int):
     prefetched ahead with hint ``locality`` (the decode GEMV's, ``cpu.prefetch_locality``)."""
     KU = max(1, RL // B)
     KO, KT = K // (RL * KU), K % (RL * KU)
-    prefetch = prefetch_ahead_macro(RL * KU, wdt, PREFETCH_BYTES[wdt], locality)
+    fmt = FORMATS[wdt]
+    prefetch = prefetch_ahead_macro(RL * KU, fmt.element_dtype, PREFETCH_BYTES[wdt], locality)
 
     @T.macro
-    def dot(x, W, c, out, o):
+    def dot(x, W8, c, out, o):
+        W = fmt.elements(W8)
         acc = T.decl_buffer((B, KU, RL), "float32")
         for r, u, v in T.grid(B, KU, RL):
             acc[r, u, v] = T.float32(0)
-        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), fmt.element_dtype, data=W.data)
         for ko in range(KO):
             prefetch(flat, c * K + ko * KU * RL)
             for u in T.unroll(KU):
                 for r in T.unroll(B):
                     for v in T.vectorized(RL):
-                        acc[r, u, v] = acc[r, u, v] + x[r, (ko * KU + u) * RL + v] * T.Cast(
-                            "float32", W[c, (ko * KU + u) * RL + v])
+                        acc[r, u, v] = acc[r, u, v] + x[r, (ko * KU + u) * RL + v] * fmt.widen(
+                            W[c, (ko * KU + u) * RL + v])
         for r, t in T.grid(B, KT):
-            acc[r, 0, t % RL] = acc[r, 0, t % RL] + x[r, KO * KU * RL + t] * T.Cast(
-                "float32", W[c, KO * KU * RL + t])
+            acc[r, 0, t % RL] = acc[r, 0, t % RL] + x[r, KO * KU * RL + t] * fmt.widen(
+                W[c, KO * KU * RL + t])
         for r in range(B):
             for u in range(1, KU):
                 for v in T.vectorized(RL):
@@ -205,7 +208,8 @@ def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int, locality: int = N
                         else:
                             y[r, task * ROWS_PER_TASK + i] = out[0, r]
 
-    func = matmul_func(body, N, K, wdt, epilogue, B)
+    w_shape, w_dtype = FORMATS[wdt].storage(N, K)
+    func = matmul_func(body, N, K, w_dtype, epilogue, B, w_shape)
     return finalize(func, f"gemv_rows{B}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
 
@@ -218,9 +222,10 @@ def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int, locality: int = NTA):
     dot = _rows_dot_macro(K, wdt, B, locality)
     gate_row, up_row = gate_up_rows(I)
     tasks = -(-I // ROWS_PER_TASK)
+    w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
 
     @T.prim_func(s_tir=True)
-    def func(x: T.Buffer((B, K), "float32"), W: T.Buffer((2 * I, K), wdt),
+    def func(x: T.Buffer((B, K), "float32"), W: T.Buffer(w_shape, w_dtype),
              act: T.Buffer((B, I), "float32")):
         with T.sblock("root"):
             for task in T.parallel(tasks):

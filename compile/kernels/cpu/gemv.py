@@ -17,7 +17,8 @@ SwiGLU reads a unit's RG-row tiles of gate rows and up rows in turn: W stores th
 (``params.gate_up_row``), which makes a unit one contiguous run of W.  The measurements behind
 these choices are in docs/design.md.
 
-Buffers (float32 activations; W in the weight dtype; N, K static):
+Buffers (float32 activations; W in the weight dtype, bfloat16 as its (N, 2K) uint8 bytes, read
+as uint16 and widened exactly by the format's ``widen``; N, K static):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
   SwiGLU: W (2I, K) gate / up rows in alternating runs -> act (1, I) = silu(gate) * up
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ...params import GATE_UP_ROWS
 from ..common import cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import gemv_func
@@ -41,14 +43,17 @@ SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contigu
 X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
 # Each row step also prefetches the weights this many bytes ahead as data read once
 # (``prefetchnta``), on top of the hardware prefetcher; distances measured in docs/design.md.
-PREFETCH_BYTES = {"float32": 1536, "float16": 6144}
+PREFETCH_BYTES = {"float32": 1536, "float16": 6144, "bfloat16": 6144}
 RG = 16  # rows whose partial sums are reduced (and whose epilogue runs) together
 SWIGLU_UNIT_ROWS = RG * SWIGLU_UNIT_TILES  # act rows per SwiGLU unit
 
 
 def _macros(K: int, eps: float, wdt: str, locality: int):
+    """Macros over W as its format's ``elements`` (one element a weight, ``widen``-ed)."""
+    fmt = FORMATS[wdt]
     KO, KT = K // (VL * KU), K % (VL * KU)
-    step_prefetch = prefetch_ahead_macro(KU * VL, wdt, PREFETCH_BYTES[wdt], locality)
+    step_prefetch = prefetch_ahead_macro(KU * VL, fmt.element_dtype, PREFETCH_BYTES[wdt],
+                                         locality)
     lane_sum = lane_sum_macro(VL)
 
     @T.macro
@@ -73,7 +78,7 @@ def _macros(K: int, eps: float, wdt: str, locality: int):
     @T.macro
     def fma(acc, u, v, xs, W, c, k):
         """acc[u, v] += xs[k] * W[c, k], both read as float32."""
-        acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, k]) * T.Cast("float32", W[c, k])
+        acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, k]) * fmt.widen(W[c, k])
 
     @T.macro
     def clear(acc):
@@ -202,7 +207,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     @T.macro
     def rows(xs, W, y, bias, res):
         R_all = T.decl_buffer((lanes, RG, VL), "float32")  # 1 KiB per lane: one heap block
-        run_units(unit, R_all, xs, W, y, bias, res)
+        run_units(unit, R_all, xs, FORMATS[wdt].elements(W), y, bias, res)
 
     @T.macro
     def body(x, g, W, y, bias, res):
@@ -218,7 +223,8 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
         else:
             rows(x, W, y, bias, res)
 
-    func = gemv_func(body, N, K, wdt, epilogue, norm)
+    w_shape, w_dtype = FORMATS[wdt].storage(N, K)
+    func = gemv_func(body, N, K, w_dtype, epilogue, norm, w_shape)
     tag = "_norm" if norm else ""
     return finalize(func, f"gemv{tag}_{epilogue}_{N}x{K}_{dtype_tag(wdt)}")
 
@@ -244,6 +250,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float, locality: int = NTA):
     run_units, lanes = claimed_units(-(-I // UR), 2 * I * K >= PARALLEL_MIN_ELEMS)
     assert RG == GATE_UP_ROWS  # a tile's gate (or up) rows are one run of W
     gate_row, up_row = gate_up_rows(I)
+    w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
 
     @T.macro
     def unit(lane, u, R_all, xn, W, act):
@@ -267,11 +274,11 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float, locality: int = NTA):
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((1, K), "float32"), g: T.Buffer((K,), "float32"),
-             W: T.Buffer((2 * I, K), wdt), act: T.Buffer((1, I), "float32")):
+             W: T.Buffer(w_shape, w_dtype), act: T.Buffer((1, I), "float32")):
         with T.sblock("root"):
             xn = T.decl_buffer((1, K), xdt)
             normalize(x, g, xn)
             R_all = T.decl_buffer((lanes, RG, VL), "float32")
-            run_units(unit, R_all, xn, W, act)
+            run_units(unit, R_all, xn, FORMATS[wdt].elements(W), act)
 
     return finalize(func, f"gemv_swiglu_{I}x{K}_{dtype_tag(wdt)}")

@@ -10,7 +10,8 @@ AVX-512 has 32 vector registers; 2 x 2 on AVX2, whose 16 registers a 4 x 4 tile 
 (two-register) accumulators would spill (docs/design.md).  (Decode uses the GEMVs of
 ``gemv.py``.)
 
-Buffers (x and y float32, W in the weight dtype, N and K static, n symbolic):
+Buffers (x and y float32, W in the weight dtype (bfloat16: its (N, 2K) bytes, as in
+``gemv.py``), N and K static, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
 The SwiGLU variant reads W (2I, K), gate and up rows in alternating runs
 (``params.gate_up_row``), and writes act (n, I).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func, swiglu_matmul_func
@@ -63,7 +65,9 @@ def _sum(acc, r, c, TN):
 def _reduce_macro(K, wdt, TM, TN):
     """acc[0, 0, r * TN + c] = sum over k of x[m0 + r, k] * W[c0 + c, k] (``_sum``): TM x TN
     accumulators of VL lanes, tail k scalar, then one transposing reduction of the whole tile
-    (per-output halving sums went through memory: 12 % of a 768-long row's tile pass)."""
+    (per-output halving sums went through memory: 12 % of a 768-long row's tile pass).  W is
+    its format's ``elements``."""
+    widen = FORMATS[wdt].widen
     KO, KT = K // VL, K % VL
     lanes = T.ramp(0, 1, TM * TN) if TM * TN > 1 else 0
 
@@ -75,11 +79,11 @@ def _reduce_macro(K, wdt, TM, TN):
             for r in T.unroll(TM):  # unrolled: acc stays in registers
                 for c in T.unroll(TN):
                     for v in T.vectorized(VL):
-                        acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * T.Cast(
-                            "float32", W[c0 + c, ko * VL + v])
+                        acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * widen(
+                            W[c0 + c, ko * VL + v])
         for r, c, v in T.grid(TM, TN, KT):
-            acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * T.Cast(
-                "float32", W[c0 + c, KO * VL + v])
+            acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * widen(
+                W[c0 + c, KO * VL + v])
         # the tile's sums into lanes r * TN + c of acc[0, 0, :] (``_sum``), in registers
         acc[0, 0, lanes] = transpose_sums(
             [acc[r, c, T.ramp(0, 1, VL)] for r in range(TM) for c in range(TN)], VL)
@@ -97,12 +101,13 @@ def _pass_macro(K, wdt, TM, TN, ahead_rows: int, slots: int):
     before the FMA loop, not a prefetch per step inside it: there it made LLVM keep the 1 KiB
     accumulator tile (a heap workspace) in memory, a store per multiply-add."""
     reduce = _reduce_macro(K, wdt, TM, TN)
-    per_line = CACHE_LINE // np.dtype(wdt).itemsize  # elements per cache line
+    edt = FORMATS[wdt].element_dtype
+    per_line = CACHE_LINE // np.dtype(edt).itemsize  # elements per cache line
     lines = -(-K // per_line)
 
     @T.macro
     def accumulate(x, W, acc, m0, c0, r0, p, passes, a):
-        flat = T.decl_buffer((W.shape[0] * W.shape[1],), wdt, data=W.data)
+        flat = T.decl_buffer((W.shape[0] * W.shape[1],), edt, data=W.data)
         if p * slots + a < ahead_rows:  # rows p * slots + a + i * (passes * slots)
             for i in range((ahead_rows - 1 - p * slots - a) // (passes * slots) + 1):
                 for line in range(lines):
@@ -154,7 +159,7 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
     m0, co, rows = _task(NT)
 
     @T.macro
-    def body(x, W, y, bias, res, n):
+    def tasks(x, W, y, bias, res, n):
         # a thread sweeps the weight tiles against one block of activations in its L2, each
         # tile prefetched into L2 by the task before (a thread runs a contiguous run of tasks)
         for task in T.parallel((n + MB - 1) // MB * NT):
@@ -170,7 +175,12 @@ def linear(N: int, K: int, wdt: str, epilogue: str = "none", tile=DEFAULT_TILE):
                 store(y, acc, m0(task) + rows(task, n) // TM * TM + mt, co(task) * TN, 1,
                       bias, res)
 
-    func = matmul_func(body, N, K, wdt, epilogue, token_dim(None))
+    @T.macro
+    def body(x, W, y, bias, res, n):
+        tasks(x, FORMATS[wdt].elements(W), y, bias, res, n)
+
+    w_shape, w_dtype = FORMATS[wdt].storage(N, K)
+    func = matmul_func(body, N, K, w_dtype, epilogue, token_dim(None), w_shape)
     return finalize(func, f"matmul_{epilogue}_{N}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")
 
 
@@ -209,7 +219,7 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
                     act[m + r, c0(task, j) + c] = silu_mul(G[r, j * TN + c], _sum(u, r, c, TN))
 
     @T.macro
-    def body(x, W, act, n):
+    def tasks(x, W, act, n):
         for task in T.parallel((n + MB - 1) // MB * RUNS):
             g = scratch_buffer((TM, TN, VL))
             u = scratch_buffer((TM, TN, VL))
@@ -221,6 +231,11 @@ def linear_swiglu(I: int, K: int, wdt: str, tile=DEFAULT_TILE):
                 run(x, W, g, u, G, act, task, m0(task) + rows(task, n) // TM * TM + mt, 1,
                     acc_tail, rows(task, n) // TM + mt, _passes(rows(task, n), TM))
 
-    func = swiglu_matmul_func(body, I, K, wdt, n)
+    @T.macro
+    def body(x, W, act, n):
+        tasks(x, FORMATS[wdt].elements(W), act, n)
+
+    w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
+    func = swiglu_matmul_func(body, I, K, w_dtype, n, w_shape)
 
     return finalize(func, f"matmul_swiglu_{I}x{K}_{dtype_tag(wdt)}{_tile_tag(tile)}")

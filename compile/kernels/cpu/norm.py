@@ -1,7 +1,7 @@
 """Embedding lookup and RMSNorm (float32 activations).
 
 Buffers (H static, n symbolic for prefill or 1 for decode):
-  embedding: ids (n,) int32, table (V, H) weight dtype -> x (n, H) float32
+  embedding: ids (n,) int32, table (V, H) weight dtype (bfloat16: (V, 2H) bytes) -> x (n, H)
   rmsnorm:   x (n, H), w (H,) float32 -> y (n, H);  ``last_only`` normalises row n-1 -> y (1, H)
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ...formats import FORMATS
 from ..common import cached, dtype_tag, finalize, token_dim
 from .simd import VL, scratch_buffer
 
@@ -17,17 +18,23 @@ from .simd import VL, scratch_buffer
 def embedding(V: int, H: int, wdt: str, n_static: int | None = None):
     """Gather rows of the embedding table; an id outside [0, V) fails the call before any write."""
     n = token_dim(n_static)
+    fmt = FORMATS[wdt]
+    t_shape, t_dtype = fmt.storage(V, H)
+
+    @T.macro
+    def gather(ids, table, x):
+        for i in range(n):
+            for h in T.vectorized(H):
+                x[i, h] = fmt.widen(table[T.Cast("int64", ids[i]), h])
 
     @T.prim_func(s_tir=True)
-    def func(var_ids: T.handle, table: T.Buffer((V, H), wdt), var_x: T.handle):
+    def func(var_ids: T.handle, table: T.Buffer(t_shape, t_dtype), var_x: T.handle):
         ids = T.match_buffer(var_ids, (n,), "int32")
         x = T.match_buffer(var_x, (n, H), "float32")
         with T.sblock("root"):
             for i in range(n):
                 assert 0 <= ids[i] and ids[i] < V, "token id out of range of the vocabulary"
-            for i in range(n):
-                for h in T.vectorized(H):
-                    x[i, h] = T.Cast("float32", table[T.Cast("int64", ids[i]), h])
+            gather(ids, fmt.elements(table), x)
 
     tag = "dec" if n_static == 1 else "pre"
     return finalize(func, f"embedding_{tag}_{V}x{H}_{dtype_tag(wdt)}")

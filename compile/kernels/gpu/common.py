@@ -33,10 +33,9 @@ MAX_THREADS = 256  # WebGPU's default workgroup limit; also a safe Metal / OpenC
 
 
 def weight_at(wdt: str, W, c, k):
-    """W[c, k] as float32: a float matrix's element, or a quantized one's decoded from its
-    stored bytes (``formats.WeightFormat.weight``)."""
-    fmt = FORMATS[wdt]
-    return fmt.weight(W, c, k) if fmt.quantized else T.Cast("float32", W[c, k])
+    """W[c, k] as float32: a float32 / float16 matrix's element, or a bfloat16 or quantized
+    one's decoded from its stored bytes (``formats.WeightFormat.weight``)."""
+    return FORMATS[wdt].weight(W, c, k)
 
 
 def finalize(func, name: str):

@@ -12,7 +12,8 @@ Quantized weights (``formats.py``): lane ``l`` takes whole 32-weight units ``ko 
 (one unit's bytes are contiguous, and a warp's 32 units are one contiguous run), keeps the
 unit's 32 inputs in registers and, per row, adds ``scale * sum x q (+ offset * sum x)`` for
 each 16-weight half, the quants decoded from the stored bytes (``WeightFormat.quant``); x
-stays float32.
+stays float32.  bfloat16 weights take the float path, each decoded from its two stored bytes
+(``WeightFormat.weight``: no 16-bit loads, as for the quantized formats' scales).
 
 Buffers and signatures are the CPU ones (``gemv.py``):
   x (1, K)  [g (K,) float32]  W (N, K)  [bias (N,) | res (1, N)]  ->  y (1, N)
@@ -73,8 +74,12 @@ def _macros(K: int, TN: int, NP: int, norm: bool, wdt: str):
                 for v in range(VW):
                     xv[v] = xv[v] * g[(ko * WARP + tx) * VW + v]
             for r in T.unroll(TN):
-                for v in T.vectorized(VW):
-                    wv[v] = W[row0 + r, (ko * WARP + tx) * VW + v]
+                if fmt.byte_rows:  # bfloat16: decoded from its bytes, element by element
+                    for v in T.unroll(VW):
+                        wv[v] = fmt.weight(W, row0 + r, (ko * WARP + tx) * VW + v)
+                else:
+                    for v in T.vectorized(VW):
+                        wv[v] = W[row0 + r, (ko * WARP + tx) * VW + v]
                 for v in T.unroll(VW):
                     part[p0 + r] = part[p0 + r] + xv[v] * T.Cast("float32", wv[v])
         for kt in range(KT):
@@ -83,8 +88,8 @@ def _macros(K: int, TN: int, NP: int, norm: bool, wdt: str):
                 if norm:
                     xv[0] = xv[0] * g[K0 + kt * WARP + tx]
                 for r in T.unroll(TN):
-                    part[p0 + r] = part[p0 + r] + xv[0] * T.Cast(
-                        "float32", W[row0 + r, K0 + kt * WARP + tx])
+                    part[p0 + r] = part[p0 + r] + xv[0] * fmt.weight(
+                        W, row0 + r, K0 + kt * WARP + tx)
 
     U = K // QBLOCK
     UO = -(-U // WARP)
@@ -142,9 +147,12 @@ def _macros(K: int, TN: int, NP: int, norm: bool, wdt: str):
 
 
 def _local(wdt: str, VW: int) -> tuple[tuple[int], str]:
-    """(shape, dtype) of a lane's weight registers ``wv``: VW weights, or a quantized unit's
-    two float32 sums."""
-    return ((2,), "float32") if FORMATS[wdt].quantized else ((VW,), wdt)
+    """(shape, dtype) of a lane's weight registers ``wv``: VW weights (bfloat16's widened to
+    float32), or a quantized unit's two float32 sums."""
+    fmt = FORMATS[wdt]
+    if fmt.quantized:
+        return (2,), "float32"
+    return (VW,), "float32" if fmt.byte_rows else wdt
 
 
 

@@ -7,9 +7,9 @@ micro-tile in registers.  Tokens beyond ``n``, columns beyond ``N`` and k beyond
 zero, so any shape works; shared tiles have static sizes, only the grid's token dimension is
 symbolic.  The SwiGLU variant stages the gate and the up tile and keeps two accumulators.
 
-Quantized weights (``formats.py``) are decoded element by element as the W tile is staged
-(``WeightFormat.weight``: the stored bytes, no float16 loads), so the tile and its arithmetic
-are the float ones.
+Quantized and bfloat16 weights (``formats.py``) are decoded element by element as the W tile
+is staged (``WeightFormat.weight``: the stored bytes, no float16 loads), so the tile and its
+arithmetic are the float ones.
 
 Buffers (as the CPU ``linear.py``; x and y float32, W in the weight dtype, n symbolic):
   x (n, K)  W (N, K)  [bias (N,) float32 | res (n, N) float32]  ->  y (n, N)
