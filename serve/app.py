@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import secrets
+import threading
 import time
 from typing import AsyncIterator
 
@@ -57,9 +58,6 @@ def create_app(engine, model_name: str | list[str], *, api_key: str | None = Non
     app = FastAPI(title="paged-decode", version="1", lifespan=lifespan)
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     server = _Server(engine, names, api_key)
-    # here, not in the lifespan: paged-serve builds the app on its loading thread and hands it
-    # to a server whose lifespan has already run (serve_while_loading)
-    server.probe_structured_output()
     model_name = names[0]
     app.state.server = server
     install_errors(app, server)
@@ -104,6 +102,8 @@ class _Server:
         self.engine, self.names, self.api_key = engine, names, api_key
         self.model_name = names[0]
         self.structured: str | None = None  # why structured output is unavailable, if it is
+        self._structured_decided = False  # whether probe_structured_output has run
+        self._probe_lock = threading.Lock()
         self.metrics = Metrics(engine)
         self.started = int(time.time())
         self.aborting = False  # past the shutdown timeout: new submissions are refused
@@ -128,23 +128,32 @@ class _Server:
                            f"{', '.join(map(repr, self.names))} (GET /v1/models)", "model")
 
     def model_card(self, name: str) -> dict:
+        self.probe_structured_output()
         return {"id": name, "object": "model", "created": self.started,
                 "owned_by": "paged-decode", "max_model_len": self.engine.artifact.max_tokens,
                 "structured_output": {"available": self.structured is None,
                                       "reason": self.structured}}
 
     def probe_structured_output(self) -> None:
-        """Build the grammar index now (off the event loop), so the start-up log and
-        /v1/models say whether structured output is available for this tokenizer."""
+        """Decide, once, whether structured output is available for this tokenizer: build the
+        grammar index (llguidance's index of the vocabulary) and log the answer.  It runs at
+        the first request that needs a grammar (or the first model card), not at start: on
+        SmolLM2's 49k vocabulary the index takes 0.3 s, holding the GIL, and 50 MiB, which a
+        server that never constrains its output need not pay before it answers."""
         from paged_decode.runtime.grammar import GrammarUnavailableError
 
-        try:
-            self.engine.grammars
-        except GrammarUnavailableError as e:
-            self.structured = str(e)
-            log.warning("structured output (response_format, guided_*) is unavailable: %s", e)
-        else:
-            log.info("structured output (response_format, guided_*): available (llguidance)")
+        with self._probe_lock:
+            if self._structured_decided:
+                return
+            try:
+                self.engine.grammars
+            except GrammarUnavailableError as e:
+                self.structured = str(e)
+                log.warning("structured output (response_format, guided_*) is unavailable: %s",
+                            e)
+            else:
+                log.info("structured output (response_format, guided_*): available (llguidance)")
+            self._structured_decided = True
 
     def check_common(self, body: SamplingBody) -> None:
         self.check_model(body.model)
@@ -238,12 +247,21 @@ class _Server:
         return {"chat": chat, "model": body.model, "n": body.n, "prompts": prompts,
                 "max_tokens": limits, "sampling": sampling, "stop": stop,
                 "stop_ids": self._stop_ids(body), "top_logprobs": top,
-                "grammar": (await build_grammar(self.engine, grammar_spec(body)) if tools is None
-                            else await tools.constraint(self.engine)),
+                "grammar": await self._constraint(body, tools),
                 "tools": tools,
                 "include_usage": bool(body.stream_options and body.stream_options.include_usage),
                 "id": ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12),
                 "created": int(time.time())}
+
+    async def _constraint(self, body: SamplingBody, tools):
+        """The request's grammar (None: unconstrained); the first request that needs one
+        decides whether this tokenizer can have one (:meth:`probe_structured_output`)."""
+        spec = grammar_spec(body) if tools is None else None  # a bad field: 400 before the index
+        if tools is None and spec is None:
+            return None
+        await asyncio.to_thread(self.probe_structured_output)
+        return (await build_grammar(self.engine, spec) if tools is None
+                else await tools.constraint(self.engine))
 
     def _stop_ids(self, body: SamplingBody) -> list[int]:
         vocab = self.engine.artifact.manifest.vocab_size

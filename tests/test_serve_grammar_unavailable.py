@@ -1,6 +1,8 @@
-"""A model whose tokenizer llguidance cannot index (a WordPiece decoder): the server says at
-start, once, that structured output is unavailable, and /v1/models says so too; a request asking
-for it is a 400 naming the field and the reason; every other request runs as on any model."""
+"""A model whose tokenizer llguidance cannot index (a WordPiece decoder): the server decides it
+once, at the first request that needs a grammar or the first model card (not at start: the index
+of a large vocabulary costs a start 0.3 s and 50 MiB), says so once in its log, and /v1/models
+says so too; a request asking for it is a 400 naming the field and the reason; every other
+request runs as on any model."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from paged_decode.runtime.grammar import GrammarUnavailableError
+from paged_decode.serve.app import create_app
 from paged_decode.serve.protocol import APIError, ChatRequest
 from paged_decode.serve.tools import tool_plan
 
@@ -60,25 +63,30 @@ def wordpiece(build, llama_ckpt, tmp_path_factory):
     logger.setLevel(logging.INFO)
     try:
         served = Served(build(path, **OPTS), "wordpiece", chat_template=CHAT_TEMPLATE)
+        served.log = records  # the app's log records, from its creation on
+        served.path = path
+        yield served
+        served.close()
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-    served.startup_log = [r.getMessage() for r in records]
-    served.path = path
-    yield served
-    served.close()
+
+
+def _said(served) -> list[str]:
+    return [m for m in (r.getMessage() for r in served.log) if "structured output" in m]
 
 
 def _post(served, path, body) -> httpx.Response:
     return httpx.post(served.live.url + path, json=body, timeout=WAIT_S)
 
 
-def test_the_start_up_log_and_the_model_card_say_structured_output_is_unavailable(wordpiece):
-    said = [m for m in wordpiece.startup_log if "structured output" in m]
+def test_the_log_and_the_model_card_say_structured_output_is_unavailable(wordpiece):
+    for _ in range(2):  # decided at the first card, said once
+        card = httpx.get(wordpiece.live.url + "/v1/models", timeout=WAIT_S).json()["data"][0]
+        assert card["structured_output"]["available"] is False
+        assert "WordPiece" in card["structured_output"]["reason"]
+    said = _said(wordpiece)
     assert len(said) == 1 and "unavailable" in said[0] and "WordPiece" in said[0], said
-    card = httpx.get(wordpiece.live.url + "/v1/models", timeout=WAIT_S).json()["data"][0]
-    assert card["structured_output"]["available"] is False
-    assert "WordPiece" in card["structured_output"]["reason"]
     with pytest.raises(GrammarUnavailableError, match="llguidance cannot index"):
         wordpiece.engine.grammars
 
@@ -98,6 +106,18 @@ def test_a_structured_request_is_a_400_naming_the_field_and_the_reason(wordpiece
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == param, r.text
         assert "not available for this model's tokenizer" in error["message"], error
+
+
+def test_an_app_decides_at_first_need_not_at_creation(wordpiece):
+    """Creating the app builds no grammar index and logs nothing about it; its first model
+    card decides (the engine keeps what it built, each app says it once)."""
+    before = len(_said(wordpiece))
+    app = create_app(wordpiece.engine, "wordpiece")
+    assert len(_said(wordpiece)) == before
+    card = app.state.server.model_card("wordpiece")
+    assert card["structured_output"]["available"] is False
+    app.state.server.model_card("wordpiece")
+    assert len(_said(wordpiece)) == before + 1
 
 
 def test_other_requests_are_untouched(wordpiece):
@@ -126,8 +146,8 @@ def test_tool_calls_name_the_reason_too(wordpiece):
     assert err.value.param == "tool_choice" and "parameters" not in err.value.message
 
 
-def test_paged_serve_says_so_in_its_start_up_log_and_models(wordpiece, artifact_root):
-    """The command builds its app on its loading thread: the check runs there too."""
+def test_paged_serve_says_so_in_its_log_and_models(wordpiece, artifact_root):
+    """The command's app decides at the first model card as any app does."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", "from paged_decode.cli import serve_cmd; serve_cmd()",
