@@ -51,6 +51,27 @@ class _Finite(click.ParamType):
         return number
 
 
+def _speculative_options(fn):
+    """``--speculative`` / ``--draft-tokens``, shared by paged-run and paged-serve."""
+    fn = click.option("--draft-tokens", default=7, show_default=True,
+                      type=click.IntRange(1, 31),
+                      help="with --speculative: the most tokens drafted per step (fewer "
+                      "where acceptance is low)")(fn)
+    return click.option("--speculative", default=None, type=click.Choice(["ngram"]),
+                        help="speculative decoding: ngram drafts the continuation of the "
+                        "latest earlier match of the last tokens (prompt lookup); the output "
+                        "is the same, faster where it repeats the input")(fn)
+
+
+def _speculative(method, draft_tokens):
+    """The SpeculativeConfig the options ask for, or None."""
+    if method is None:
+        return None
+    from paged_decode.runtime.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(method=method, draft_tokens=draft_tokens)
+
+
 def _version(fn):
     return click.version_option(PACKAGE_VERSION, "--version", package_name="paged-decode",
                                 message="%(prog)s (paged-decode) %(version)s")(fn)
@@ -269,11 +290,14 @@ def _check_capacity(engine, n_prompt: int, max_new_tokens: int, by_blocks: bool)
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
 @click.option("--n", "n", default=1, show_default=True, type=click.IntRange(1, 256),
               help="continuations of the prompt, decoded in one batch (prefilled once)")
+@_speculative_options
 @_version
 @_clean_errors
-def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **opts):
+def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, speculative,
+            draft_tokens, **opts):
     """Compile (or reuse) the artifact, then stream a completion (or hold a conversation)."""
     sampling = _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat)
+    spec = _speculative(speculative, draft_tokens)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
@@ -282,9 +306,9 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **
     found.say_where(_progress)
     by_blocks = opts["max_blocks_cap"] is not None
     if n > 1:
-        return _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks)
+        return _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks, spec)
     if prompt is None:
-        return _converse(found, max_new_tokens, sampling)
+        return _converse(found, max_new_tokens, sampling, spec)
     from paged_decode.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(found.weights_dir) if (
@@ -293,7 +317,8 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **
         raise InputError(f"weight pack {found.weights_dir} has no tokenizer; paged-run needs "
                          "text: build from a model directory with tokenizer.json")
     ids = tokenizer.encode_prompt(prompt, chat, "--prompt")
-    engine = _load_engine(found, len(ids) + max(max_new_tokens - 1, 0), tokenizer)
+    engine = _load_engine(found, len(ids) + max(max_new_tokens - 1, 0), tokenizer,
+                          speculative=spec)
     _check_capacity(engine, len(ids), max_new_tokens, by_blocks)
     try:
         for piece in engine.stream_ids_text(ids, max_new_tokens=max_new_tokens,
@@ -302,11 +327,14 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, **
     except PagedDecodeError:
         click.echo()  # the error line starts on a line of its own, after the text so far
         raise
-    s = engine.generator.stats
+    s = engine.stats
     click.echo()
+    drafts = (f"; speculative: {s.accepted_tokens} of {s.drafted_tokens} drafted tokens "
+              "accepted" if spec is not None else "")
     click.echo(f"prefill: {s.prompt_tokens} tokens, {s.prefill_tokens_per_s:.1f} tokens/s "
                "(it yields the first new token); "
-               f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s", err=True)
+               f"decode: {s.decode_tokens} tokens, {s.decode_tokens_per_s:.1f} tokens/s{drafts}",
+               err=True)
 
 
 def _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat):
@@ -333,9 +361,10 @@ def _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat):
     return sampling
 
 
-def _load_engine(found: _Found, need: int | None, tokenizer=None):
+def _load_engine(found: _Found, need: int | None, tokenizer=None, **engine_options):
     """The engine with a pool for ``need`` tokens (None: the artifact's whole context), at most
-    the artifact's context; remembered for the next start once it loaded."""
+    the artifact's context; remembered for the next start once it loaded.  ``engine_options``:
+    :class:`Engine`'s (speculative, prefix_cache)."""
     from paged_decode.runtime.artifact import load_artifact, load_weights
     from paged_decode.runtime.engine import Engine
     from paged_decode.runtime.kv_pool import PagedKVCache, PoolConfigError
@@ -355,14 +384,15 @@ def _load_engine(found: _Found, need: int | None, tokenizer=None):
         from paged_decode.runtime.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_dir(found.weights_dir)
-    return Engine(artifact, weights, pool, tokenizer)
+    return Engine(artifact, weights, pool, tokenizer, **engine_options)
 
 
-def _converse(found: _Found, max_new_tokens: int, sampling) -> None:
-    """``paged-run --chat`` without ``--prompt``: the terminal conversation (repl.py)."""
+def _converse(found: _Found, max_new_tokens: int, sampling, speculative=None) -> None:
+    """``paged-run --chat`` without ``--prompt``: the terminal conversation (repl.py); the
+    prefix cache keeps the history's blocks from one turn to the next."""
     from paged_decode.repl import chat_loop
 
-    engine = _load_engine(found, None)
+    engine = _load_engine(found, None, speculative=speculative, prefix_cache=True)
     tty = sys.stdin.isatty()
 
     def read(prompt: str) -> str:
@@ -393,7 +423,8 @@ def _remove(entry: Path) -> None:
                             "permissions, or delete it by hand") from e
 
 
-def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> None:
+def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks,
+              speculative=None) -> None:
     """``paged-run --n K``: K continuations of one prompt through the batching engine, printed
     one after the other (they are decoded together)."""
     from paged_decode.runtime.artifact import read_manifest
@@ -407,7 +438,7 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
         raise ConfigError("--n needs an artifact with batch buckets: build it with "
                           "--batch-buckets (the default is 2,4,8,16,32)")
     with BatchEngine.load(found.artifact_dir, found.weights_dir,
-                          num_blocks=m.max_blocks_cap * n) as batch:
+                          num_blocks=m.max_blocks_cap * n, speculative=speculative) as batch:
         found.remember()
         ids = batch.tokenizer.encode_prompt(prompt, chat, "--prompt")
         _check_capacity(batch, len(ids), max_new_tokens, by_blocks)
@@ -462,11 +493,13 @@ def _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks) -> No
 @click.option("--ray-address", default=None,
               help="with --ray-replicas: the Ray cluster to join ('auto', or host:port); "
               "default: a local Ray on 127.0.0.1")
+@_speculative_options
 @_version
 @_clean_errors
 def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_origins,
               tool_call_parser, chat_template, max_running, max_waiting, prefill_budget,
-              kv_cache_gb, shutdown_timeout, log_level, ray_replicas, ray_address, **opts):
+              kv_cache_gb, shutdown_timeout, log_level, ray_replicas, ray_address, speculative,
+              draft_tokens, **opts):
     """Serve the model over HTTP with the OpenAI API (completions, chat, streaming).
 
     The port is bound at once: /health answers 503 {"status": "loading"} until the model is
@@ -499,7 +532,8 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
             model_name=tuple(served_model_name), kv_cache_gb=kv_cache_gb,
             max_running=max_running, max_waiting=max_waiting, prefill_budget=prefill_budget,
             chat_template=template, api_key=api_key, tool_parser=tool_call_parser,
-            allowed_origins=None if origins is None else tuple(origins)))
+            allowed_origins=None if origins is None else tuple(origins),
+            speculative=_speculative(speculative, draft_tokens)))
     engines = []
 
     def load():
@@ -507,7 +541,8 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
 
         engine = _serve_engine(opts, kv_cache_gb=kv_cache_gb, max_running=max_running,
                                max_waiting=max_waiting, prefill_budget=prefill_budget,
-                               chat_template=template)
+                               chat_template=template,
+                               speculative=_speculative(speculative, draft_tokens))
         engines.append(engine)
         return create_app(engine, list(served_model_name) or engine.artifact.manifest.name,
                           api_key=api_key, tool_parser=tool_call_parser, allowed_origins=origins)
@@ -635,7 +670,8 @@ class _IntList(click.ParamType):
               "own file) or a kind made by llama.cpp's quantizer from a float16 GGUF of the "
               "model, read by both engines, KV cache float16")
 @click.option("--section", "sections", multiple=True,
-              type=click.Choice(["decode", "batch", "serve", "start"]), default=["decode"],
+              type=click.Choice(["decode", "batch", "serve", "start", "speculative"]),
+              default=["decode"],
               show_default=True,
               help="what to measure (repeatable): decode = one sequence's decode and prefill; "
               "batch = aggregate tokens/s of steps over b = 1..32 sequences against the "
@@ -645,7 +681,8 @@ class _IntList(click.ParamType):
               "inter-token latency p50 / p99; start = a warm paged-run's wall time and "
               "peak RSS, paged-serve's ready time and idle RSS, and llama.cpp loading the same "
               "GGUF and answering one token, from fresh processes (use --model default for the "
-              "shipped SmolLM2)")
+              "shipped SmolLM2); speculative = one stream's tokens/s with and without prompt "
+              "lookup on grounded tasks and free generation, and 16 streams")
 @click.option("--quick", is_flag=True, help="fewer tokens and contexts (smoke run)")
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
               help="rounds of back-to-back measurements, ratios paired per round "

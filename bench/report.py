@@ -193,6 +193,9 @@ def markdown(report: dict) -> str:
     from .start import markdown as start_lines
 
     lines += start_lines(report.get("start_runs", []))
+    from .speculative import markdown as speculative_lines
+
+    lines += speculative_lines(report.get("speculative_runs", []))
     return "\n".join(lines) + "\n"
 
 
@@ -264,12 +267,22 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs, batched = report["runs"], report.get("batch_runs", [])
-    n = max(len(runs), len(batched), 1)
-    rows = [x for x in (runs, batched) if x] or [[]]  # serving only: its own serve.png
+    spec = report.get("speculative_runs", [])
+    n = max(len(runs), len(batched), len(spec), 1)
+    rows = [x for x in (runs, batched, spec) if x] or [[]]  # serving only: its own serve.png
     fig, axes = plt.subplots(len(rows), n, figsize=(4.5 * n, 3.8 * len(rows)), squeeze=False)
     for ax in axes.flat[:]:
         ax.set_axis_off()
-    for ax, run in zip(axes[-1], batched):
+    for ax, run in zip(axes[-1] if spec else [], spec):
+        ax.set_axis_on()
+        names = [r["task"] for r in run["streams"]] + ["16 streams"]
+        ratios = [r["speedup"] or 0 for r in run["streams"]] + [run["batched"]["ratio"]]
+        ax.bar(range(len(ratios)), ratios)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(ratios)), names, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("tokens / s, on / off")
+        ax.set_title(f"{run['model']}: speculative (ngram)")
+    for ax, run in zip(axes[len(rows) - 1 - bool(spec)] if batched else [], batched):
         ax.set_axis_on()
         bs = [int(b) for b in run["per_b"]]
         per_b = list(run["per_b"].values())

@@ -39,7 +39,7 @@ FULL = dict(contexts=(16, 256, 1024), n_tokens=32, rounds=4, retries=2, prompts=
             bw_mb=512, replan=8)
 QUICK = dict(contexts=(16, 64), n_tokens=8, rounds=2, retries=1, prompts=(16, 32), bw_mb=64,
              replan=4)
-SECTIONS = ("decode", "batch", "serve", "start")
+SECTIONS = ("decode", "batch", "serve", "start", "speculative")
 FIRST_WARMUP_S, LATER_WARMUP_S = 1.0, 0.3  # a model's first tokens after loading run slower
 
 
@@ -638,7 +638,7 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                           "threads": os.environ.get("TVM_NUM_THREADS"), **cpu_model()},
               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
               "sections": list(sections), "runs": [], "batch_runs": [], "serve_runs": [],
-              "start_runs": []}
+              "start_runs": [], "speculative_runs": []}
     hf_by_model: dict = {}
     with tempfile.TemporaryDirectory() as work:
         for model in models:
@@ -646,7 +646,13 @@ def run_bench(models: list[str], out_dir: Path, *, quick: bool = False, artifact
                 report["start_runs"].append(_run_start(model, sources[model], cfg,
                                                        rounds or (1 if quick else 3),
                                                        artifacts, say))
-            for dtype in dtypes if set(sections) - {"start"} else ():
+            if "speculative" in sections:  # the model's own formats, like a start
+                from .speculative import run_speculative
+
+                report["speculative_runs"].append(run_speculative(
+                    None if model == "default" else model,
+                    rounds or (1 if quick else 3), artifacts, say))
+            for dtype in dtypes if set(sections) - {"start", "speculative"} else ():
                 say(f"{model} {dtype}")
                 if "decode" in sections:
                     report["runs"].append(_run_one(model, sources[model], dtype, cfg, artifacts,

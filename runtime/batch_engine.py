@@ -305,6 +305,8 @@ class BatchEngine:
                 "blocks_total": self.pool.num_blocks,
                 "blocks_used": self.pool.num_blocks - self.pool.num_free,
                 "steps": sched.steps, "preemptions": sched.preemptions,
+                "drafted_tokens": sched.drafted_tokens,
+                "accepted_tokens": sched.accepted_tokens,
                 "prefix_cache": cache.stats() if cache is not None else None}
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], **options) -> list[str]:

@@ -26,6 +26,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     session_builds: int = 0
     reprefills: int = 0
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and accepted by the model
+    accepted_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -53,7 +53,7 @@ def default_num_blocks(m, max_running: int) -> int:
 
 def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | None,
                 max_running: int | None, max_waiting: int, prefill_budget: int,
-                chat_template: str | None):
+                chat_template: str | None, speculative=None):
     """The batching engine for a server (pool sized as :func:`default_num_blocks` says, unless
     ``kv_cache_gb``), with the chat template replaced when one is given (``chat_template``:
     its source, as :func:`read_chat_template` returns it)."""
@@ -68,7 +68,8 @@ def load_engine(artifact_dir: Path, weights_dir: Path, *, kv_cache_gb: float | N
             else {"num_blocks": default_num_blocks(manifest, running)})
     try:
         engine = BatchEngine.load(artifact_dir, weights_dir, max_running=running,
-                                  max_waiting=max_waiting, prefill_budget=prefill_budget, **pool)
+                                  max_waiting=max_waiting, prefill_budget=prefill_budget,
+                                  speculative=speculative, **pool)
     except PoolConfigError as e:
         if kv_cache_gb is None:
             raise
@@ -104,15 +105,17 @@ def read_chat_template(path) -> str:
 def build_app(artifact_dir, weights_dir, model_name: str, *, api_key: str | None = None,
               kv_cache_gb: float | None = None, max_running: int | None = None,
               max_waiting: int = 64, prefill_budget: int = 512,
-              chat_template: str | None = None):
+              chat_template: str | None = None, speculative=None):
     """The ASGI app of one replica over a compiled artifact (what ``paged-serve`` runs), for
-    hosting it elsewhere: ``uvicorn``'s factory mode, or a Ray Serve ingress builder."""
+    hosting it elsewhere: ``uvicorn``'s factory mode, or a Ray Serve ingress builder.
+    ``speculative``: a :class:`~paged_decode.runtime.speculative.SpeculativeConfig`."""
     from .app import create_app
 
     template = None if chat_template is None else read_chat_template(chat_template)
     engine = load_engine(Path(artifact_dir), Path(weights_dir), kv_cache_gb=kv_cache_gb,
                          max_running=max_running, max_waiting=max_waiting,
-                         prefill_budget=prefill_budget, chat_template=template)
+                         prefill_budget=prefill_budget, chat_template=template,
+                         speculative=speculative)
     return create_app(engine, model_name, api_key=api_key, owns_engine=True)
 
 

@@ -30,6 +30,10 @@ class _EngineCollector:
                                       value=cache.get(key, 0))
         yield CounterMetricFamily(f"{PREFIX}_preemptions", "sequences preempted for recompute",
                                   value=s["preemptions"])
+        for key, what in (("drafted", "tokens drafted by speculative decoding"),
+                          ("accepted", "drafted tokens the model accepted")):
+            yield CounterMetricFamily(f"{PREFIX}_speculative_{key}_tokens", what,
+                                      value=s[f"{key}_tokens"])
 
 
 class Metrics:

@@ -54,6 +54,7 @@ class RayServeConfig:
     api_key: str | None = None
     tool_parser: str | None = None
     allowed_origins: tuple[str, ...] | None = None
+    speculative: object | None = None  # a SpeculativeConfig: every replica drafts alike
     replica_cpus: float | None = None  # None: this machine's cores shared by the replicas
     replica_resources: dict = field(default_factory=dict)  # Ray custom resources, e.g. a CPU kind
     prefix_routing: bool = True  # False: Ray's default router (power of two choices)
@@ -90,7 +91,8 @@ class ReplicaCore:
                                   kv_cache_gb=cfg.kv_cache_gb, max_running=cfg.max_running,
                                   max_waiting=cfg.max_waiting,
                                   prefill_budget=cfg.prefill_budget,
-                                  chat_template=cfg.chat_template)
+                                  chat_template=cfg.chat_template,
+                                  speculative=cfg.speculative)
         names = [cfg.model_name] if isinstance(cfg.model_name, str) else list(cfg.model_name)
         origins = None if cfg.allowed_origins is None else list(cfg.allowed_origins)
         self.app = create_app(self.engine, names, api_key=cfg.api_key,
