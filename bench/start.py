@@ -2,16 +2,20 @@
 
 Per round, one after the other (so machine noise lands on every engine alike): a warm
 ``paged-run --prompt hi --max-new-tokens 1`` (wall time and peak RSS of the process), a
-``paged-serve`` until ``/health`` answers 200 (ready time, then its RSS idle), and for a GGUF
-model llama.cpp's Python binding loading the same file and producing one token
+``paged-serve`` until ``/health`` answers 200 (ready time, then its RSS idle, then the time to
+first token of its first request: a one-token streamed completion of the same prompt), and for
+a GGUF model llama.cpp's Python binding loading the same file and producing one token
 (``llama_cpp.Llama(model_path, n_ctx)``, its default context of 512).  One untimed start before
 the rounds builds (or finds) the artifact and remembers the request, so every timed start is
-warm.
+warm.  Against llama.cpp the report gives each round's ratios (paired, so a busy machine slows
+both): paged-run's wall time and peak RSS over llama.cpp's, and paged-serve's idle RSS over
+llama.cpp's peak (issue goals: at most 1 and 2).
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import socket
 import statistics
@@ -85,8 +89,28 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _serve_ready(argv: list[str], env: dict) -> tuple[float, float]:
-    """(seconds from spawn to /health 200, RSS MiB right after) of a paged-serve, stopped after."""
+def _first_token_ms(port: int) -> float:
+    """Milliseconds to the first streamed token of a one-token completion of PROMPT."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("GET", "/v1/models")
+        model = json.loads(conn.getresponse().read())["data"][0]["id"]
+        body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "stream": True,
+                           "temperature": 0})
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        while line := response.readline():
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"]:
+                return (time.perf_counter() - t0) * 1e3
+        raise RuntimeError(f"paged-serve streamed no token (status {response.status})")
+    finally:
+        conn.close()
+
+
+def _serve_ready(argv: list[str], env: dict) -> tuple[float, float, float]:
+    """(seconds from spawn to /health 200, RSS MiB idle right after, ms to the first token of
+    the first request) of a paged-serve, stopped after."""
     port = _free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([*argv, "--port", str(port), "--log-level", "warning"], env=env,
@@ -100,7 +124,8 @@ def _serve_ready(argv: list[str], env: dict) -> tuple[float, float]:
             time.sleep(0.02)
         ready = time.perf_counter() - t0
         time.sleep(0.5)  # idle: the engine's thread waits for requests
-        return ready, _rss_mib(proc.pid)
+        idle = _rss_mib(proc.pid)
+        return ready, idle, _first_token_ms(port)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -127,16 +152,17 @@ def run_start(model: str | None, gguf: Path | None, rounds: int, artifacts,
     _serve_ready(serve, env)  # a serving artifact may differ (batch buckets)
     llama = _llama_missing(gguf)
     cols: dict[str, list[float]] = {"run_s": [], "run_rss_mib": [], "serve_ready_s": [],
-                                    "serve_idle_rss_mib": [], "llama_s": [],
-                                    "llama_rss_mib": []}
+                                    "serve_idle_rss_mib": [], "serve_first_token_ms": [],
+                                    "llama_s": [], "llama_rss_mib": []}
     for i in range(rounds):
         say(f"start: round {i + 1} of {rounds}")
         wall, rss = _timed(run, env)
         cols["run_s"].append(wall)
         cols["run_rss_mib"].append(rss)
-        ready, idle = _serve_ready(serve, env)
+        ready, idle, first = _serve_ready(serve, env)
         cols["serve_ready_s"].append(ready)
         cols["serve_idle_rss_mib"].append(idle)
+        cols["serve_first_token_ms"].append(first)
         if llama is None:
             wall, rss = _timed([sys.executable, "-c", LLAMA, str(gguf), str(LLAMA_N_CTX),
                                 PROMPT], env)
@@ -147,8 +173,11 @@ def run_start(model: str | None, gguf: Path | None, rounds: int, artifacts,
               "llama_n_ctx": LLAMA_N_CTX, "llama_missing": llama,
               **{k: _summary(v) for k, v in cols.items() if v}}
     if llama is None:
-        result["run_over_llama"] = _summary([a / b for a, b in zip(cols["run_s"],
-                                                                   cols["llama_s"])])
+        for name, ours, theirs in (("run_over_llama", "run_s", "llama_s"),
+                                   ("run_rss_over_llama", "run_rss_mib", "llama_rss_mib"),
+                                   ("serve_idle_over_llama_rss", "serve_idle_rss_mib",
+                                    "llama_rss_mib")):
+            result[name] = _summary([a / b for a, b in zip(cols[ours], cols[theirs])])
     return result
 
 
@@ -171,21 +200,34 @@ def markdown(runs: list[dict]) -> list[str]:
              f"prompt {PROMPT!r}, one new token; llama.cpp: llama_cpp.Llama, n_ctx "
              f"{LLAMA_N_CTX}, load + first token):", "",
              "| model | rounds | paged-run s | paged-run peak RSS MiB | paged-serve ready s | "
-             "paged-serve idle RSS MiB | llama.cpp s | llama.cpp peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "paged-serve idle RSS MiB | its first request's TTFT ms | llama.cpp s | "
+             "llama.cpp peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         cells = [_cell(r, k) for k in ("run_s", "run_rss_mib", "serve_ready_s",
-                                       "serve_idle_rss_mib", "llama_s", "llama_rss_mib")]
+                                       "serve_idle_rss_mib", "serve_first_token_ms", "llama_s",
+                                       "llama_rss_mib")]
         lines.append(f"| {r['model']} | {r['rounds']} | " + " | ".join(cells) + " |")
     for r in runs:
         if r.get("llama_missing"):
             lines.append(f"\n{r['model']}: llama.cpp not measured ({r['llama_missing']}).")
+        elif "run_rss_over_llama" in r:
+            lines.append(f"\n{r['model']}, paired per round against llama.cpp (median "
+                         "(min-max)): paged-run wall " + _ratio(r, "run_over_llama") +
+                         ", peak RSS " + _ratio(r, "run_rss_over_llama") +
+                         "; paged-serve idle RSS over llama.cpp's peak " +
+                         _ratio(r, "serve_idle_over_llama_rss") + ".")
     return lines
+
+
+def _ratio(run: dict, key: str) -> str:
+    s = run[key]
+    return f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})"
 
 
 def _cell(run: dict, key: str) -> str:
     s = run.get(key)
     if s is None:
         return "-"
-    fmt = "{:.0f}" if key.endswith("mib") else "{:.2f}"
+    fmt = "{:.0f}" if key.endswith(("mib", "ms")) else "{:.2f}"
     return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"

@@ -15,11 +15,13 @@ def test_start_section_measures_fresh_processes(build, artifact_root):
     build("tiny", block_size=4, max_context=64, batch_buckets=BUCKETS)
     said = []
     run = run_start("tiny", None, 1, artifact_root, said.append, ARGS)
-    for key in ("run_s", "run_rss_mib", "serve_ready_s", "serve_idle_rss_mib"):
+    for key in ("run_s", "run_rss_mib", "serve_ready_s", "serve_idle_rss_mib",
+                "serve_first_token_ms"):
         assert len(run[key]["values"]) == 1 and run[key]["median"] > 0, key
     # a whole Python process with numpy and TVM's runtime: tens of MiB at least
     assert run["run_rss_mib"]["median"] > 20 and run["serve_idle_rss_mib"]["median"] > 20
     assert "llama_s" not in run and run["llama_missing"] == "the model is no GGUF file"
+    assert "run_rss_over_llama" not in run  # ratios only where llama.cpp ran
     assert said == ["start: one untimed start builds or finds the artifact",
                     "start: round 1 of 1"]
     table = "\n".join(markdown([run]))
