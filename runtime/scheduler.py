@@ -5,11 +5,14 @@ Each :meth:`Scheduler.step`:
 1. admits waiting requests, first come first served, while fewer than ``max_running`` run and
    the pool has blocks for the next one's tokens;
 2. prefills admitted prompts in chunks, at most ``prefill_budget`` prompt tokens per step in
-   all, so a long prompt does not stall the sequences already decoding;
-3. runs one batched decode step (:class:`~paged_decode.runtime.step.BatchDecodeSession`) over
-   every decoding sequence, ``max_rows`` at a time;
+   all, every prefilling request's chunk in one step of the runner (:mod:`.runner`), so a long
+   prompt does not stall the sequences already decoding;
+3. runs one step of the runner over every decoding sequence, ``max_rows`` at a time: one
+   token each, or with speculative decoding on (:mod:`.speculative`) the drafted tokens too,
+   verified in the same call;
 4. samples each row with its request's own parameters (greedy rows with one ``argmax``), and
-   finishes a request at a stop id, at its ``max_tokens`` or when cancelled.
+   ends a request at a stop id, at its ``max_tokens`` (:meth:`Scheduler._ends`, the one place)
+   or when cancelled.
 
 With the prefix cache on, every full block a request writes is cached by its tokens
 (:mod:`.prefix_cache`) as soon as it is full, and kept after the request ends: a request that
@@ -25,82 +28,22 @@ the artifact or the pool is refused when it is added.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
-from typing import NamedTuple
 
 import numpy as np
 
 from .checks import check_stop_ids, is_int
 from .errors import CapacityError, InputError, OutOfBlocksError
-from .kv_pool import PagedKVCache, SessionHandle
+from .kv_pool import PagedKVCache
 from .prefix_cache import PrefixCache
+from .request import MAX_TOP_LOGPROBS, Request, TokenLogprob, token_logprob  # noqa: F401
 from .runner import Row, StepRunner
 from .sampling import Sampler, SamplingParams, sample_rows
 from .session import check_prompt
-from .speculative import PRIOR_COST, NgramDrafter, SpeculativeConfig, best_length
-
-_IDS = itertools.count(1)
-MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
+from .speculative import SpeculativeConfig, SpeculativeSteps
 
 
-class TokenLogprob(NamedTuple):
-    """A generated token's log-probability under the model's own distribution (the logits as
-    computed: before temperature, top-k / top-p and any grammar mask), with the ``top`` most
-    likely ``(token, logprob)`` pairs, most likely first."""
-
-    token: int
-    logprob: float
-    top: tuple
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation: its prompt, limits and sampler, and what it produced so far.
-
-    ``tokens``: generated ids; ``finish_reason``: None while it runs, then ``"stop"`` (a stop
-    id), ``"length"`` (``max_tokens``), ``"cancelled"`` or ``"error"``.  ``first_token_s`` /
-    ``token_times``: ``time.perf_counter()`` at its first and every token (time to first
-    token, inter-token latency).  ``top_logprobs``: None, or how many alternatives each
-    :class:`TokenLogprob` in ``logprobs`` lists; ``constraint``: a grammar the tokens must
-    follow (:mod:`.grammar`)."""
-
-    prompt: list[int]
-    max_tokens: int
-    sampler: Sampler
-    stop_ids: frozenset
-    id: int = dataclasses.field(default_factory=lambda: next(_IDS))
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    submitted_s: float = dataclasses.field(default_factory=time.perf_counter)
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    preemptions: int = 0
-    handle: SessionHandle | None = None
-    pending: list[int] = dataclasses.field(default_factory=list)  # still to prefill
-    # a continuation of another request's prompt (``add(..., n=K)``): it shares that request's
-    # prompt blocks (forked when the prompt is prefilled) instead of prefilling its own
-    fork_of: "Request | None" = None
-    forks: list = dataclasses.field(default_factory=list)
-    top_logprobs: int | None = None
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    constraint: object | None = None
-    error: Exception | None = None  # why it finished as "error"
-    hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix cache)
-    cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
-    drafter: NgramDrafter | None = None  # with speculative decoding on
-    drafted: int = 0  # tokens drafted for it, and how many of them verification accepted
-    accepted: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def first_token_s(self) -> float | None:
-        return self.token_times[0] - self.submitted_s if self.token_times else None
-
-
-class Scheduler:
+class Scheduler(SpeculativeSteps):
     """Admits, steps and retires requests over one (artifact, weights, pool).
 
     Single-threaded: one caller drives :meth:`step` (the batching engine runs it on its own
@@ -386,37 +329,6 @@ class Scheduler:
             return out
         return []
 
-    def _drafts(self, reqs: list[Request]) -> dict[Request, list[int]]:
-        """Tokens to verify per request this step.  One stream drafts as many as pay for their
-        verification; several fill only the rows their call's bucket would pad."""
-        if self.speculative is None or not reqs:
-            return {}
-        spare = (self.runner.max_rows - 1 if len(reqs) == 1
-                 else self.runner.bucket_for(len(reqs)) - len(reqs))
-        out = {}
-        for req in reqs:
-            room = min(spare, self.speculative.draft_tokens,
-                       req.max_tokens - len(req.tokens) - 1)
-            if room <= 0:
-                continue
-            if req.drafter is None:
-                req.drafter = NgramDrafter(self.speculative)
-            proposal = req.drafter.propose(req.prompt + req.tokens, room)
-            k = best_length(req.drafter.acceptance(), len(proposal), self._cost)
-            if len(reqs) > 1 and proposal:
-                k = len(proposal)  # free rows: any acceptance is a gain
-            if k:
-                out[req] = proposal[:k]
-                spare -= k
-        return out
-
-    def _cost(self, rows: int) -> float:
-        """A call over ``rows`` token rows, relative to one decode (measured once both ran)."""
-        one, many = self.runner.seconds.get(1), self.runner.cost(rows)
-        if one and many:
-            return many / one
-        return PRIOR_COST.get(self.runner.bucket_for(rows), float(rows))
-
     def _preempt(self) -> Request | None:
         """Free the newest running request's blocks and queue it first for recompute; None when
         nothing runs."""
@@ -458,42 +370,6 @@ class Scheduler:
             if reason:
                 self._finish(req, reason)
         return out
-
-    def _emit_verified(self, req: Request, logits: np.ndarray, draft: list[int]
-                       ) -> list[tuple[Request, int]]:
-        """The tokens of a verification row: position ``i``'s token is sampled as without
-        speculation (given drafted token ``i``, :meth:`Sampler.sample_draft`), and the row
-        goes on while it equals the draft; the sequence then drops what the rejected drafts
-        wrote, before anything can end the request."""
-        out, reason, now = [], None, time.perf_counter()
-        try:
-            for i, row in enumerate(logits):
-                if req.constraint is not None:
-                    row = np.where(req.constraint.allowed(), row, np.float32(-np.inf))
-                token = (req.sampler.sample_draft(row, draft[i]) if i < len(draft)
-                         else req.sampler.sample(row))
-                self._take(req, token, logits[i], now)
-                out.append((req, token))
-                reason = self._ends(req, token)
-                if reason or i == len(draft) or token != draft[i]:
-                    break
-        except Exception as e:  # noqa: BLE001 - that request's failure
-            self._verified(req, draft, len(out))
-            self._fail(req, e)
-            return out
-        self._verified(req, draft, len(out))
-        if reason:
-            self._finish(req, reason)
-        return out
-
-    def _verified(self, req: Request, draft: list[int], taken: int) -> None:
-        accepted = sum(1 for t, d in zip(req.tokens[len(req.tokens) - taken:], draft) if t == d)
-        req.handle.truncate_to(len(req.prompt) + len(req.tokens) - 1)
-        req.drafter.record(len(draft), accepted)
-        req.drafted += len(draft)
-        req.accepted += accepted
-        self.drafted_tokens += len(draft)
-        self.accepted_tokens += accepted
 
     def _take(self, req: Request, token: int, logits: np.ndarray, now: float) -> None:
         """Record ``token`` as ``req``'s next (its log-probability and grammar first)."""
@@ -556,15 +432,3 @@ def _masked(rows: list[Request], logits: np.ndarray, errors: dict) -> np.ndarray
             except Exception as e:  # noqa: BLE001 - that request's failure
                 errors[i] = e
     return out
-
-
-def token_logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """``token``'s log-softmax in ``row`` (float32 logits ``[vocab_size]``) and the ``top``
-    most likely tokens (ties: lowest id first)."""
-    x = row.astype(np.float64)
-    high = x.max()
-    lse = high + np.log(np.exp(x - high).sum())
-    ids = np.argpartition(-x, top)[:top] if 0 < top < len(x) else np.arange(len(x))[:top]
-    ids = sorted(ids.tolist(), key=lambda t: (-x[t], t))
-    return TokenLogprob(int(token), float(x[token] - lse),
-                        tuple((t, float(x[t] - lse)) for t in ids))

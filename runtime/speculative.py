@@ -17,10 +17,17 @@ plan ran).  Drafting stops by itself where acceptance is low: ``k = 0`` (a plain
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from .errors import InputError
+import numpy as np
+
 from .checks import is_int
+from .errors import InputError
+
+if TYPE_CHECKING:
+    from .request import Request
 
 METHODS = ("ngram",)
 MAX_DRAFT_TOKENS = 31  # one verification row per token of the largest default bucket (32)
@@ -114,3 +121,77 @@ def best_length(acceptance: float, available: int, cost) -> int:
         if rate > best_rate * 1.02:  # a tie goes to the cheaper call
             best, best_rate = k, rate
     return best
+
+
+class SpeculativeSteps:
+    """The scheduler's part in speculative decoding: what each decoding request drafts for a
+    step, and what its verification row yields (``Scheduler`` mixes it in; it uses the
+    scheduler's ``runner``, ``speculative`` and its ``_take`` / ``_ends`` / ``_fail`` /
+    ``_finish``)."""
+
+    def _drafts(self, reqs: list[Request]) -> dict[Request, list[int]]:
+        """Tokens to verify per request this step.  One stream drafts as many as pay for their
+        verification; several fill only the rows their call's bucket would pad."""
+        if self.speculative is None or not reqs:
+            return {}
+        spare = (self.runner.max_rows - 1 if len(reqs) == 1
+                 else self.runner.bucket_for(len(reqs)) - len(reqs))
+        out = {}
+        for req in reqs:
+            room = min(spare, self.speculative.draft_tokens,
+                       req.max_tokens - len(req.tokens) - 1)
+            if room <= 0:
+                continue
+            if req.drafter is None:
+                req.drafter = NgramDrafter(self.speculative)
+            proposal = req.drafter.propose(req.prompt + req.tokens, room)
+            k = best_length(req.drafter.acceptance(), len(proposal), self._cost)
+            if len(reqs) > 1 and proposal:
+                k = len(proposal)  # free rows: any acceptance is a gain
+            if k:
+                out[req] = proposal[:k]
+                spare -= k
+        return out
+
+    def _cost(self, rows: int) -> float:
+        """A call over ``rows`` token rows, relative to one decode (measured once both ran)."""
+        one, many = self.runner.seconds.get(1), self.runner.cost(rows)
+        if one and many:
+            return many / one
+        return PRIOR_COST.get(self.runner.bucket_for(rows), float(rows))
+
+    def _emit_verified(self, req: Request, logits: np.ndarray, draft: list[int]
+                       ) -> list[tuple[Request, int]]:
+        """The tokens of a verification row: position ``i``'s token is sampled as without
+        speculation (given drafted token ``i``, :meth:`Sampler.sample_draft`), and the row
+        goes on while it equals the draft; the sequence then drops what the rejected drafts
+        wrote, before anything can end the request."""
+        out, reason, now = [], None, time.perf_counter()
+        try:
+            for i, row in enumerate(logits):
+                if req.constraint is not None:
+                    row = np.where(req.constraint.allowed(), row, np.float32(-np.inf))
+                token = (req.sampler.sample_draft(row, draft[i]) if i < len(draft)
+                         else req.sampler.sample(row))
+                self._take(req, token, logits[i], now)
+                out.append((req, token))
+                reason = self._ends(req, token)
+                if reason or i == len(draft) or token != draft[i]:
+                    break
+        except Exception as e:  # noqa: BLE001 - that request's failure
+            self._verified(req, draft, len(out))
+            self._fail(req, e)
+            return out
+        self._verified(req, draft, len(out))
+        if reason:
+            self._finish(req, reason)
+        return out
+
+    def _verified(self, req: Request, draft: list[int], taken: int) -> None:
+        accepted = sum(1 for t, d in zip(req.tokens[len(req.tokens) - taken:], draft) if t == d)
+        req.handle.truncate_to(len(req.prompt) + len(req.tokens) - 1)
+        req.drafter.record(len(draft), accepted)
+        req.drafted += len(draft)
+        req.accepted += accepted
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += accepted
