@@ -17,6 +17,7 @@ import pytest
 import tvm
 
 from paged_decode.compile import weights
+from paged_decode.compile.api import key_of
 from paged_decode.compile.formats import FORMATS, by_gguf_type
 from paged_decode.compile.kernels.registry import kernels_for
 from paged_decode.compile.params import gate_up_row, interleave_gate_up
@@ -82,12 +83,14 @@ def test_layout_is_two_bytes_a_weight_read_back_exactly():
 
 def test_a_target_without_byte_buffers_keeps_bf16_exact_otherwise(qwen2_ckpt):
     """WebGPU reads no 8-bit buffers: asking for bfloat16 there is a ConfigError naming the
-    target and the choices; "auto" keeps a bfloat16 checkpoint's values in float32."""
-    source = resolve_model(str(qwen2_ckpt.path))
+    target and the choices; "auto" keeps a bfloat16 checkpoint's values in float32 there, and
+    bfloat16 on the targets that read bytes (the artifact key, nothing compiled)."""
+    model = str(qwen2_ckpt.path)
     with pytest.raises(ConfigError, match=r"weight_dtype='bfloat16': webgpu: .*float16 or float32"):
-        resolve_formats(source, "bfloat16", no_bytes="webgpu: no 8-bit type")
-    assert resolve_formats(source, "auto") == ("bfloat16", ())
-    assert resolve_formats(source, "auto", no_bytes="webgpu: no 8-bit type") == ("float32", ())
+        key_of(model, target="webgpu", weight_dtype="bfloat16")
+    for target, want in (("webgpu", "float32"), ("vulkan", "float32"), ("cuda", "bfloat16"),
+                         (None, "bfloat16")):
+        assert key_of(model, target=target)["key"]["weight_dtype"] == want, target
 
 
 # -- the CPU kernels against numpy ---------------------------------------------------------------
