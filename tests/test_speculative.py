@@ -4,6 +4,8 @@ draft wrote is read), and with sampling exactly the sampler's distribution."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,43 @@ def test_draft_sampling_keeps_the_samplers_distribution(params, draft):
     sd = np.sqrt(n * want * (1 - want)) + 1e-9
     assert (np.abs(counts - n * want) <= 4.5 * sd + 1).all(), (counts, n * want)
     assert counts[want == 0].sum() == 0  # a filtered-out draft is never taken
+
+
+def _text(output: str) -> list[str]:
+    return [line for line in output.splitlines()
+            if not line.startswith("[") and "prefill:" not in line]
+
+
+def test_paged_run_speculative_prints_the_same_text(artifact_root):
+    from click.testing import CliRunner
+
+    from paged_decode.cli import run_cmd
+
+    runner = CliRunner()
+    args = ["--model", "tiny", "--block-size", "4", "--max-context", "64", "--artifacts",
+            str(artifact_root), "--prompt", "hello hello hello hello", "--max-new-tokens", "40"]
+    plain = runner.invoke(run_cmd, args)
+    spec = runner.invoke(run_cmd, args + ["--speculative", "ngram", "--draft-tokens", "3"])
+    assert plain.exit_code == 0 and spec.exit_code == 0, spec.output
+    assert _text(spec.output) == _text(plain.output) and _text(plain.output)
+    accepted, drafted = map(int, re.search(r"speculative: (\d+) of (\d+) drafted",
+                                           spec.output).groups())
+    assert 0 < accepted <= drafted
+    none = runner.invoke(run_cmd, args + ["--batch-buckets", "none", "--speculative", "ngram"])
+    assert none.exit_code == 1 and "--batch-buckets" in none.output.splitlines()[-1]
+
+
+def test_metrics_count_drafted_and_accepted_tokens(build):
+    from paged_decode.runtime.batch_engine import BatchEngine
+    from paged_decode.serve.metrics import Metrics
+
+    prepared = build("tiny", **OPTS)
+    with BatchEngine.load(prepared.artifact_dir, prepared.weights_dir,
+                          speculative=SPEC) as engine:
+        # three streams: a 4-row call with a row to spare for a drafted token
+        engine.generate_many(["hello hello hello hello"] * 3, max_new_tokens=30)
+        stats, text = engine.stats(), Metrics(engine).render().decode()
+    assert stats["drafted_tokens"] >= stats["accepted_tokens"] > 0
+    for key in ("drafted", "accepted"):
+        want = f"paged_decode_speculative_{key}_tokens_total {float(stats[key + '_tokens'])}"
+        assert want in text
