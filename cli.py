@@ -51,25 +51,58 @@ class _Finite(click.ParamType):
         return number
 
 
+class _Speculative(click.ParamType):
+    """``ngram`` or ``draft:<model>`` (a model as --model takes it)."""
+
+    name = "ngram|draft:MODEL"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        method, colon, model = value.partition(":")
+        if method == "ngram" and not colon:
+            return ("ngram", None)
+        if method == "draft" and model.strip():
+            return ("draft", model.strip())
+        self.fail(f"{value!r}: give ngram, or draft:<model> (a smaller model with the same "
+                  "tokenizer, a path or preset as --model takes)", param, ctx)
+
+
 def _speculative_options(fn):
     """``--speculative`` / ``--draft-tokens``, shared by paged-run and paged-serve."""
     fn = click.option("--draft-tokens", default=7, show_default=True,
                       type=click.IntRange(1, 31),
                       help="with --speculative: the most tokens drafted per step (fewer "
                       "where acceptance is low)")(fn)
-    return click.option("--speculative", default=None, type=click.Choice(["ngram"]),
+    return click.option("--speculative", default=None, type=_Speculative(),
                         help="speculative decoding: ngram drafts the continuation of the "
-                        "latest earlier match of the last tokens (prompt lookup); the output "
-                        "is the same, faster where it repeats the input")(fn)
+                        "latest earlier match of the last tokens (prompt lookup); "
+                        "draft:MODEL lets a smaller model with the same tokenizer draft "
+                        "(built like --model, without batch buckets); the output is the "
+                        "same as without, faster where the drafts are accepted")(fn)
 
 
-def _speculative(method, draft_tokens):
-    """The SpeculativeConfig the options ask for, or None."""
-    if method is None:
+def _draft_opts(opts: dict, model: str) -> dict:
+    """The build options of a draft model: the target's, without batch buckets."""
+    return dict(opts, model=model, batch_buckets=(), weight_dtype="auto")
+
+
+def _speculative(choice, draft_tokens, opts):
+    """The SpeculativeConfig the options ask for, or None; a draft model is located (built
+    or reused with the target's target, block size and context) and loaded."""
+    if choice is None:
         return None
     from paged_decode.runtime.speculative import SpeculativeConfig
 
-    return SpeculativeConfig(method=method, draft_tokens=draft_tokens)
+    method, model = choice
+    if method == "ngram":
+        return SpeculativeConfig(method="ngram", draft_tokens=draft_tokens)
+    from paged_decode.runtime.draft_model import DraftModel
+
+    found = _locate(_draft_opts(opts, model))
+    draft = DraftModel.load(found.artifact_dir, found.weights_dir)
+    found.remember()
+    return SpeculativeConfig(method="draft", draft_tokens=draft_tokens, draft_model=draft)
 
 
 def _version(fn):
@@ -297,13 +330,16 @@ def run_cmd(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat, n, sp
             draft_tokens, **opts):
     """Compile (or reuse) the artifact, then stream a completion (or hold a conversation)."""
     sampling = _run_checks(prompt, max_new_tokens, temperature, top_p, top_k, seed, chat)
-    spec = _speculative(speculative, draft_tokens)
     if prompt == "-":
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise InputError("--prompt -: stdin held no text; pipe the prompt in")
+    if speculative and speculative[0] == "draft" and _will_build(
+            _draft_opts(opts, speculative[1])):
+        import paged_decode.compile.api  # noqa: F401 - the build side before the runtime
     found = _locate(opts)
     found.say_where(_progress)
+    spec = _speculative(speculative, draft_tokens, opts)
     by_blocks = opts["max_blocks_cap"] is not None
     if n > 1:
         return _run_many(found, prompt, chat, n, max_new_tokens, sampling, by_blocks, spec)
@@ -506,7 +542,8 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
     loaded (or compiled, on a first start), then 200."""
     from paged_decode.runtime.errors import ConfigError
 
-    if _will_build(opts):
+    if _will_build(opts) or (speculative and speculative[0] == "draft"
+                             and _will_build(_draft_opts(opts, speculative[1]))):
         # the build side before the runtime, so this process's TVM has its compiler
         # (runtime/_tvm.py); a warm start skips it and loads the runtime library only
         import paged_decode.compile.api  # noqa: F401
@@ -533,7 +570,7 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
             max_running=max_running, max_waiting=max_waiting, prefill_budget=prefill_budget,
             chat_template=template, api_key=api_key, tool_parser=tool_call_parser,
             allowed_origins=None if origins is None else tuple(origins),
-            speculative=_speculative(speculative, draft_tokens)))
+            speculative=_speculative(speculative, draft_tokens, opts)))
     engines = []
 
     def load():
@@ -542,7 +579,7 @@ def serve_cmd(host, port, api_key, allow_remote, served_model_name, allowed_orig
         engine = _serve_engine(opts, kv_cache_gb=kv_cache_gb, max_running=max_running,
                                max_waiting=max_waiting, prefill_budget=prefill_budget,
                                chat_template=template,
-                               speculative=_speculative(speculative, draft_tokens))
+                               speculative=_speculative(speculative, draft_tokens, opts))
         engines.append(engine)
         return create_app(engine, list(served_model_name) or engine.artifact.manifest.name,
                           api_key=api_key, tool_parser=tool_call_parser, allowed_origins=origins)

@@ -11,7 +11,6 @@ import numpy as np
 
 from .kv_pool import SessionHandle
 from .sampling import Sampler
-from .speculative import NgramDrafter
 
 _IDS = itertools.count(1)
 MAX_TOP_LOGPROBS = 20  # as the OpenAI API allows
@@ -60,7 +59,7 @@ class Request:
     error: Exception | None = None  # why it finished as "error"
     hashes: list = dataclasses.field(default_factory=list)  # of its full blocks (prefix cache)
     cached_tokens: int = 0  # prompt tokens its first prefill found in the prefix cache
-    drafter: NgramDrafter | None = None  # with speculative decoding on
+    drafter: object | None = None  # with speculative decoding on (.speculative's drafters)
     drafted: int = 0  # tokens drafted for it, and how many of them verification accepted
     accepted: int = 0
 

@@ -128,7 +128,10 @@ class StepRunner:
         self.single.check_pool()
         ids = self._check(rows)
         if len(rows) == 1 and len(ids[0]) == 1:
-            return [self.single.realize_token(rows[0].handle, int(ids[0][0]))[None]]
+            t0 = time.perf_counter()
+            out = self.single.realize_token(rows[0].handle, int(ids[0][0]))[None]
+            self._timed(1, t0)
+            return [out]
         snaps = []
         try:
             for row, toks in zip(rows, ids):

@@ -62,6 +62,8 @@ class Scheduler(SpeculativeSteps):
             raise InputError(f"speculative decoding verifies drafted tokens in the batched plans; "
                              f"artifact {artifact.path.name} has none: compile it with "
                              "--batch-buckets (the default on CPU and CUDA targets)")
+        if speculative is not None and speculative.method == "draft":
+            speculative.draft_model.check_pairs_with(artifact)
         self.speculative = speculative
         self.drafted_tokens = self.accepted_tokens = 0
         rows = self.runner.max_rows
@@ -419,6 +421,8 @@ class Scheduler(SpeculativeSteps):
             self._cache_written(req)
             req.handle.release()
             req.handle = None
+        if req.drafter is not None:
+            req.drafter.close()
 
 
 def _masked(rows: list[Request], logits: np.ndarray, errors: dict) -> np.ndarray:

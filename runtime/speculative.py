@@ -29,7 +29,7 @@ from .errors import InputError
 if TYPE_CHECKING:
     from .request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MAX_DRAFT_TOKENS = 31  # one verification row per token of the largest default bucket (32)
 # call time of a plan of B token rows over the B = 1 decode's, until the runner measured it
 # (SmolLM2 Q4_1 on a 2-core x86: 1.2x for 2 rows, 1.6x for 4, 2.4x for 8)
@@ -39,18 +39,27 @@ _DECAY = 0.9  # weight of earlier verifications in the acceptance estimate
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: ``"ngram"`` (prompt lookup); ``draft_tokens``: the most tokens drafted per
-    step; ``ngram_max`` / ``ngram_min``: the match lengths tried, longest first."""
+    """``method``: ``"ngram"`` (prompt lookup) or ``"draft"`` (a smaller model with the same
+    tokenizer, ``draft_model``: a :class:`~.draft_model.DraftModel`); ``draft_tokens``: the most
+    tokens drafted per step; ``ngram_max`` / ``ngram_min``: the match lengths tried, longest
+    first; ``adaptive``: size each draft by cost and acceptance (False: always as many as
+    ``draft_tokens``, the room and the proposal allow)."""
 
     method: str = "ngram"
     draft_tokens: int = 7
     ngram_max: int = 4
     ngram_min: int = 1
+    draft_model: object | None = None
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise InputError(f"speculative method {self.method!r}: known methods are "
                              f"{', '.join(METHODS)}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise InputError(f"speculative method {self.method!r} with draft_model="
+                             f"{self.draft_model!r}: the draft method takes a DraftModel "
+                             "(DraftModel.load(artifact_dir, weights_dir)), ngram none")
         if not is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise InputError(f"draft_tokens={self.draft_tokens!r}: must be an integer from 1 to "
                              f"{MAX_DRAFT_TOKENS}")
@@ -89,6 +98,17 @@ class NgramDrafter:
                 self.match = n
                 return list(tokens[end:end + k])
         return []
+
+    def plan(self, tokens: Sequence[int], room: int, verify_cost, decode_s=None) -> list[int]:
+        """The tokens to verify this step: the proposal, cut where more would not pay for
+        their verification (``verify_cost(rows)``: a call's time relative to one decode)."""
+        proposal = self.propose(tokens, room)
+        if verify_cost is None:  # not adaptive
+            return proposal
+        return proposal[:best_length(self.acceptance(), len(proposal), verify_cost)]
+
+    def close(self) -> None:
+        """The request ended (nothing held)."""
 
     def acceptance(self) -> float:
         """Estimated chance that a drafted token is accepted, for the last proposal's match."""
@@ -137,21 +157,31 @@ class SpeculativeSteps:
         spare = (self.runner.max_rows - 1 if len(reqs) == 1
                  else self.runner.bucket_for(len(reqs)) - len(reqs))
         out = {}
+        # several streams: the spare rows cost nothing more
+        cost = self._cost if len(reqs) == 1 else (lambda _rows: 1.0)
+        if not self.speculative.adaptive:
+            cost = None
+        elif self.runner.seconds.get(1) is None:
+            return {}  # a plain step first: the decode every cost is weighed against
         for req in reqs:
             room = min(spare, self.speculative.draft_tokens,
                        req.max_tokens - len(req.tokens) - 1)
             if room <= 0:
                 continue
             if req.drafter is None:
-                req.drafter = NgramDrafter(self.speculative)
-            proposal = req.drafter.propose(req.prompt + req.tokens, room)
-            k = best_length(req.drafter.acceptance(), len(proposal), self._cost)
-            if len(reqs) > 1 and proposal:
-                k = len(proposal)  # free rows: any acceptance is a gain
-            if k:
-                out[req] = proposal[:k]
-                spare -= k
+                req.drafter = self._new_drafter()
+            draft = req.drafter.plan(req.prompt + req.tokens, room, cost,
+                                     self.runner.seconds.get(1))
+            if draft:
+                out[req] = draft
+                spare -= len(draft)
         return out
+
+    def _new_drafter(self):
+        config = self.speculative
+        if config.method == "draft":
+            return config.draft_model.drafter(self.max_running)
+        return NgramDrafter(config)
 
     def _cost(self, rows: int) -> float:
         """A call over ``rows`` token rows, relative to one decode (measured once both ran)."""

@@ -44,13 +44,26 @@ def _run(artifact, weights, prompts, speculative, **request):
     return reqs, sched
 
 
-@pytest.mark.parametrize("streams", [1, 3])
-def test_greedy_speculation_changes_no_token_and_no_logprob(tiny, streams):
+def _draft_config(load) -> SpeculativeConfig:
+    """The tiny preset's own weights in Q8_0 drafting for it in float32 (one tokenizer)."""
+    from paged_decode.runtime.draft_model import DraftModel
+
+    return SpeculativeConfig(method="draft", draft_tokens=5, adaptive=False,
+                             draft_model=DraftModel(*load("tiny", block_size=4, max_context=64,
+                                                          weight_dtype="q8_0")))
+
+
+@pytest.mark.parametrize("method,streams", [("ngram", 1), ("ngram", 3), ("draft", 1),
+                                            ("draft", 3)])
+def test_greedy_speculation_changes_no_token_and_no_logprob(tiny, load, method, streams):
     artifact, weights = tiny
     prompts = _prompts(streams, artifact.manifest.vocab_size)
+    if method == "draft":  # prompts that do not repeat: the draft model's own guesses
+        prompts = [p[:len(p) // 2] for p in prompts]
     opts = dict(max_tokens=40, top_logprobs=3)
+    config = SPEC if method == "ngram" else _draft_config(load)
     plain, _ = _run(artifact, weights, prompts, None, **opts)
-    spec, sched = _run(artifact, weights, prompts, SPEC, **opts)
+    spec, sched = _run(artifact, weights, prompts, config, **opts)
     assert sched.drafted_tokens > 0 and sched.accepted_tokens > 0  # it did speculate
     for a, b in zip(plain, spec):
         assert b.tokens == a.tokens and b.finish_reason == a.finish_reason == "length"
@@ -59,6 +72,9 @@ def test_greedy_speculation_changes_no_token_and_no_logprob(tiny, streams):
                                        [y.logprob] + [p for _, p in y.top],
                                        atol=LOGIT_TOL["float32"] * 10, rtol=0)
     assert sched.accepted_tokens <= sched.drafted_tokens
+    if method == "draft":  # every request's draft sequence went back to the draft pool
+        pool = config.draft_model.runner.pool
+        assert pool.num_free == pool.num_blocks
 
 
 def test_a_stop_id_inside_accepted_drafts_ends_the_request_there(tiny):
@@ -79,7 +95,8 @@ def test_speculation_needs_batch_buckets(load):
 
 
 @pytest.mark.parametrize("bad", [dict(method="eagle"), dict(draft_tokens=0),
-                                 dict(draft_tokens=2.5), dict(ngram_min=3, ngram_max=2)])
+                                 dict(draft_tokens=2.5), dict(ngram_min=3, ngram_max=2),
+                                 dict(method="draft"), dict(draft_model=object())])
 def test_bad_speculative_options_are_refused(bad):
     with pytest.raises(InputError):
         SpeculativeConfig(**bad)
