@@ -161,7 +161,7 @@ class SpeculativeSteps:
         cost = self._cost if len(reqs) == 1 else (lambda _rows: 1.0)
         if not self.speculative.adaptive:
             cost = None
-        elif self.runner.seconds.get(1) is None:
+        elif len(reqs) == 1 and self.runner.seconds.get(1) is None:
             return {}  # a plain step first: the decode every cost is weighed against
         for req in reqs:
             room = min(spare, self.speculative.draft_tokens,
