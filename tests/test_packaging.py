@@ -18,3 +18,17 @@ def test_every_module_folder_is_listed_and_mapped():
     found = {py.parent.relative_to(ROOT) for top in tops for py in (ROOT / top).rglob("*.py")
              if "__pycache__" not in py.parts}
     assert found <= set(mapped), sorted(map(str, found - set(mapped)))
+
+
+def test_a_deploy_install_goes_without_torch():
+    """torch backs only the transformers oracle (tests, benchmarks): TVM's FFI imports it
+    whenever it is installed, so a deploy install must not pull it in; the code a deploy runs
+    never imports it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(dep.startswith("torch") for dep in project["dependencies"])
+    for extra in ("test", "bench"):
+        assert "torch==2.13.0" in project["optional-dependencies"][extra]
+    deploy = [py for top in ("compile", "runtime", "serve") for py in (ROOT / top).rglob("*.py")]
+    deploy += [ROOT / "cli.py", ROOT / "repl.py", ROOT / "progress.py"]
+    assert not [str(p) for p in deploy
+                if "import torch" in p.read_text() or "from torch" in p.read_text()]
