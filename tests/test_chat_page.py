@@ -33,14 +33,14 @@ STEP_S = 0.1  # each engine step lasts at least this, so a 34-token reply outliv
 
 @pytest.fixture
 def slow_steps(tiny, monkeypatch):
-    session = tiny.engine.scheduler.session
-    real = session.step
+    runner = tiny.engine.scheduler.runner
+    real = runner.run
 
     def slow(*args):
         time.sleep(STEP_S)
         return real(*args)
 
-    monkeypatch.setattr(session, "step", slow)
+    monkeypatch.setattr(runner, "run", slow)
 
 
 class Browser:

@@ -366,14 +366,14 @@ def test_32_concurrent_streams_each_equal_their_solo_run(model):
 @pytest.fixture
 def slow_steps(tiny, monkeypatch):
     """Each engine step takes at least 20 ms, so a request outlives a client's first chunk."""
-    session = tiny.engine.scheduler.session
-    real = session.step
+    runner = tiny.engine.scheduler.runner
+    real = runner.run
 
     def slow(*args):
         time.sleep(0.02)
         return real(*args)
 
-    monkeypatch.setattr(session, "step", slow)
+    monkeypatch.setattr(runner, "run", slow)
 
 
 def _recorded_streams(engine, monkeypatch) -> list:
@@ -467,8 +467,8 @@ def test_requests_left_at_the_shutdown_timeout_end_with_abort(build):
     chunk and [DONE], a whole response comes back with finish_reason "abort"."""
     prepared = build("tiny", **OPTS)
     engine = BatchEngine.load(prepared.artifact_dir, prepared.weights_dir)
-    real = engine.scheduler.session.step
-    engine.scheduler.session.step = lambda *a: (time.sleep(0.05), real(*a))[1]
+    real = engine.scheduler.runner.run
+    engine.scheduler.runner.run = lambda *a: (time.sleep(0.05), real(*a))[1]
     app = create_app(engine, "tiny", owns_engine=True)
     server = draining_server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
                              app.state.server.abort_all, shutdown_timeout=0.3)
