@@ -133,8 +133,8 @@ def run_speculative(model: str | None, rounds: int, artifacts, say) -> dict:
 
 
 def _draft_rows(model, rounds, artifacts, say) -> dict:
-    """The model's weights in float16 as the target, its own formats (without batch buckets)
-    as the draft model: one tokenizer, a draft about 3x faster per token."""
+    """The model's weights in float16 as the target, its own formats as the draft model: one
+    tokenizer, a draft about 3x faster per token."""
     from paged_decode.compile.api import prepare
     from paged_decode.runtime.artifact import load_artifact, load_weights
     from paged_decode.runtime.draft_model import DraftModel
@@ -144,7 +144,7 @@ def _draft_rows(model, rounds, artifacts, say) -> dict:
     from paged_decode.runtime.tokenizer import Tokenizer
 
     target = prepare(model, artifacts=artifacts, weight_dtype="float16")
-    small = prepare(model, artifacts=artifacts, batch_buckets=())
+    small = prepare(model, artifacts=artifacts)
     artifact = load_artifact(target.artifact_dir)
     weights = load_weights(target.weights_dir, artifact)
     tokenizer = Tokenizer.from_dir(target.weights_dir)

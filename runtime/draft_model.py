@@ -3,8 +3,9 @@ target's tokenizer, decoded greedily to propose the target's next tokens.
 
 It has its own pool, one sequence per request, kept in step with the target's: before
 drafting, the draft sequence is cut back to what it shares with the request's tokens
-(``truncate_to``: what verification rejected goes) and the rest is run in one step; then it
-decodes the drafted tokens one at a time.  How many to draft weighs their verification and
+(``truncate_to``: what verification rejected goes) and the rest is run in one step (a small
+batch plan where the draft artifact has buckets: prefill's matrix kernels cost several decode
+steps on two tokens); then it decodes the drafted tokens one at a time.  How many to draft weighs their verification and
 their own decode steps against the acceptance seen so far (:func:`.speculative.best_length`).
 """
 
