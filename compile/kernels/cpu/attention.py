@@ -322,49 +322,79 @@ def split_parts(n_blocks, bs, lo=min, hi=max, const=int):
               hi(const(2), (n_blocks + part_blocks - 1) // part_blocks))
 
 
+class DecodeSplit:
+    """How decode attention cuts one query's context among parallel parts, and how it merges
+    them: the B = 1 kernels' choice, which the batched kernel takes for each of its rows so a
+    row's softmax sums are added in the same order whatever the batch (batch invariance).
+    Contexts under ``PARALLEL_MIN_WORK`` multiply-adds are one part, finished directly."""
+
+    def __init__(self, Hq: int, Hkv: int, D: int, bs: int, window: int):
+        self.Hq, self.Hkv, self.D, self.bs, self.window = Hq, Hkv, D, bs, window
+        self.G = Hq // Hkv
+        self.merge = self._merge_macro()
+
+    def first(self, ctx):  # the first block read (0 without a window)
+        return first_block(ctx, self.window, self.bs)
+
+    def rows_read(self, ctx):  # the rows of the blocks read
+        return ctx - self.first(ctx) * self.bs if self.window else ctx
+
+    def n_blocks(self, ctx):
+        return (ctx + self.bs - 1) // self.bs
+
+    def blocks_read(self, ctx):
+        return self.n_blocks(ctx) - self.first(ctx) if self.window else self.n_blocks(ctx)
+
+    def split(self, ctx):  # whether the context is cut into parts (else one part, finished)
+        return self.rows_read(ctx) * self.Hq * self.D >= PARALLEL_MIN_WORK
+
+    def parts(self, ctx):  # parts of a split context
+        return split_parts(self.blocks_read(ctx), self.bs, T.min, T.max, T.int64)
+
+    def part_start(self, p, parts, ctx):  # part ``p``'s first block, of ``parts``
+        if self.window:
+            return self.first(ctx) + p * self.blocks_read(ctx) // parts
+        return p * self.n_blocks(ctx) // parts
+
+    def _merge_macro(self):
+        Hkv, G, D = self.Hkv, self.G, self.D
+
+        @T.macro
+        def merge(out, row, acc_p, st_p, parts, kv0, kv1):
+            """out[row] = the ``parts`` partial softmax states of kv heads [kv0, kv1)'s query
+            heads combined: each part's sums rescaled to the overall max, divided by the overall
+            sum."""
+            for kvh in range(kv0, kv1):
+                for g in range(G):
+                    m = scratch_buffer((2,))  # overall max, overall sum
+                    m[0] = st_p[0, kvh, 0, g]
+                    for p in range(1, parts):
+                        m[0] = T.max(m[0], st_p[p, kvh, 0, g])
+                    m[1] = T.float32(0)
+                    for p in range(parts):  # slot 2: the part's weight exp(max_p - max)
+                        st_p[p, kvh, 2, g] = fexp(st_p[p, kvh, 0, g] - m[0])
+                        m[1] = m[1] + st_p[p, kvh, 1, g] * st_p[p, kvh, 2, g]
+                    for d in T.vectorized(D):
+                        out[row, (kvh * G + g) * D + d] = T.float32(0)
+                    for p in range(parts):
+                        for d in T.vectorized(D):
+                            out[row, (kvh * G + g) * D + d] = (out[row, (kvh * G + g) * D + d]
+                                                               + acc_p[p, kvh, g, d]
+                                                               * st_p[p, kvh, 2, g])
+                    for d in T.vectorized(D):
+                        out[row, (kvh * G + g) * D + d] = out[row, (kvh * G + g) * D + d] / m[1]
+
+        return merge
+
+
 def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, window, softcap, scale):
     """The decode checks + attention, shared by the scalar and the device-tensor variants:
     ``context_len`` is an int64 expression (a scalar param or ``buf[0]``).  The checks, the
     parallel split and the parts cover the blocks the query reads: from the window's first."""
     init, step, attend, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt, window, softcap, scale)
     acc_shape, st_shape, r_shape, s_shape = shapes
-    G = Hq // Hkv
-
-    def first(ctx):  # the first block read (0 without a window)
-        return first_block(ctx, window, bs)
-
-    def rows_read(ctx):  # the rows of the blocks read
-        return ctx - first(ctx) * bs if window else ctx
-
-    def blocks_read(n_blocks, ctx):
-        return n_blocks - first(ctx) if window else n_blocks
-
-    def part_start(p, parts, n_blocks, ctx):  # part ``p``'s first block, of ``parts``
-        if window:
-            return first(ctx) + p * blocks_read(n_blocks, ctx) // parts
-        return p * n_blocks // parts
-
-    @T.macro
-    def merge(out, acc_p, st_p, parts):
-        """out = the ``parts`` partial softmax states of every head combined: each part's sums
-        rescaled to the overall max, divided by the overall sum."""
-        for kvh, g in T.grid(Hkv, G):
-            m = scratch_buffer((2,))  # overall max, overall sum
-            m[0] = st_p[0, kvh, 0, g]
-            for p in range(1, parts):
-                m[0] = T.max(m[0], st_p[p, kvh, 0, g])
-            m[1] = T.float32(0)
-            for p in range(parts):  # slot 2: the part's weight exp(max_p - max)
-                st_p[p, kvh, 2, g] = fexp(st_p[p, kvh, 0, g] - m[0])
-                m[1] = m[1] + st_p[p, kvh, 1, g] * st_p[p, kvh, 2, g]
-            for d in T.vectorized(D):
-                out[0, (kvh * G + g) * D + d] = T.float32(0)
-            for p in range(parts):
-                for d in T.vectorized(D):
-                    out[0, (kvh * G + g) * D + d] = (out[0, (kvh * G + g) * D + d]
-                                                     + acc_p[p, kvh, g, d] * st_p[p, kvh, 2, g])
-            for d in T.vectorized(D):
-                out[0, (kvh * G + g) * D + d] = out[0, (kvh * G + g) * D + d] / m[1]
+    sp = DecodeSplit(Hq, Hkv, D, bs, window)
+    first, part_start = sp.first, sp.part_start
 
     @T.macro
     def body(q, k_pool, v_pool, bt, out, context_len):
@@ -372,8 +402,8 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, window, softcap, scale):
         n_blocks = (context_len + bs - 1) // bs
         for b in range(first(context_len), n_blocks):
             assert 0 <= bt[0, b] and T.Cast("int64", bt[0, b]) < nb, "block table entry outside the pool"
-        if rows_read(context_len) * Hq * D >= PARALLEL_MIN_WORK:
-            parts = split_parts(blocks_read(n_blocks, context_len), bs, T.min, T.max, T.int64)
+        if sp.split(context_len):
+            parts = sp.parts(context_len)
             acc_p = T.decl_buffer((MAX_PARTS, Hkv) + acc_shape, "float32")
             st_p = T.decl_buffer((MAX_PARTS, Hkv) + st_shape, "float32")
             r_p = T.decl_buffer((MAX_PARTS,) + r_shape, "float32")
@@ -382,14 +412,14 @@ def _decode_body(Hq, Hkv, D, bs, cap, nb, cdt, window, softcap, scale):
                 for kvh in range(Hkv):
                     init(lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                          lane_slice(st_p, p * Hkv + kvh, st_shape))
-                for b in range(part_start(p, parts, n_blocks, context_len),
-                               part_start(p + 1, parts, n_blocks, context_len)):
+                for b in range(part_start(p, parts, context_len),
+                               part_start(p + 1, parts, context_len)):
                     for kvh in range(Hkv):
                         step(q, k_pool, v_pool, bt, 0, kvh, b, context_len,
                              lane_slice(acc_p, p * Hkv + kvh, acc_shape),
                              lane_slice(st_p, p * Hkv + kvh, st_shape),
                              lane_slice(r_p, p, r_shape), scores)
-            merge(out, acc_p, st_p, parts)
+            sp.merge(out, 0, acc_p, st_p, parts, 0, Hkv)
         else:  # a short context costs less than waking the thread pool
             acc = scratch_buffer(acc_shape)
             st = scratch_buffer(st_shape)

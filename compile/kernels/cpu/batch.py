@@ -25,7 +25,7 @@ from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import (attention_batch_func, attention_options, matmul_func,
                           rope_kv_batch_func)
-from .attention import _attend_macro, first_block
+from .attention import MAX_PARTS, DecodeSplit, _attend_macro, first_block
 from .fastmath import silu_mul
 from .gemv import PREFETCH_BYTES
 from .rope_kv import _rope_macro
@@ -88,43 +88,78 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
                           B: int, *, window: int = 0, softcap: float = 0.0, scale: float = 0.0):
     """Row ``r``'s query against its ``context_lens[r]`` cached positions through its own
     table (the last ``window`` of them; ``softcap``, ``scale``: ``attention_options``).  A task
-    is a row and a slice of its kv heads; it walks the row's blocks in table order (from its
-    window's first) and, in each block, its heads in turn (each head's online-softmax state
-    kept apart), so it reads each block's K and V runs front to back, one stream the hardware
-    prefetcher follows, rather than one per block (docs/design.md)."""
+    is a row and a slice of its kv heads.  Its blocks are cut into the parts the B = 1 decode
+    kernel cuts the same context into (``attention.DecodeSplit``), taken one after the other
+    in table order, and the parts' softmax states merged as there (one part: finished as the
+    serial walk finishes), so a row's output is bit-identical to the B = 1 step's whatever the
+    other rows hold (batch invariance).  Within a part it walks the blocks and, in each block,
+    its heads in turn (each head's online-softmax state kept apart), so it reads each block's
+    K and V runs front to back, one stream the hardware prefetcher follows (docs/design.md)."""
     bs, nb, G = block_size, tirx.Var("num_blocks", "int64"), Hq // Hkv
     window, softcap, scale, tag = attention_options(D, cap * bs, window, softcap, scale)
     init, step, _, shapes = _attend_macro(Hq, Hkv, D, bs, cap, cdt, window, softcap, scale)
     acc_shape, st_shape, r_shape, s_shape = shapes
+    sp = DecodeSplit(Hq, Hkv, D, bs, window)
     check = _check_rows(B, bs, cap, nb, window)
-
     S = min(Hkv, -(-MIN_ATTN_TASKS // B))  # kv-head slices per row
 
     def h0(sl):  # first kv head of slice ``sl``
         return sl * Hkv // S
 
     @T.macro
+    def keep(acc, st, acc_p, st_p, p, sl):  # part p's state of the slice's heads
+        for kvh in range(h0(sl), h0(sl + 1)):
+            for g in range(G):
+                for d in T.vectorized(D):
+                    acc_p[p, kvh, g, d] = acc[kvh, g, d]
+                for i in range(st_shape[0]):
+                    st_p[p, kvh, i, g] = st[kvh, i, g]
+
+    @T.macro
+    def walk(q, k_pool, v_pool, bt, r, sl, ctx, acc, st, acc_p, st_p, rs, scores):
+        """The slice's heads' running state of row ``r`` in ``acc`` / ``st`` over its blocks in
+        table order; in a split context each part's state is kept in ``acc_p`` / ``st_p`` at
+        the part's last block and the walk starts afresh (one block loop: a loop over the parts
+        around it made the kernel 1.5x slower, the split rows and the others alike)."""
+        pc = T.decl_buffer((1,), "int64")  # the part being walked
+        pc[0] = T.int64(0)
+        for kvh in range(h0(sl), h0(sl + 1)):
+            init(lane_slice(acc, kvh, acc_shape), lane_slice(st, kvh, st_shape))
+        for b in range(first_block(ctx, window, bs), (ctx + bs - 1) // bs):
+            for kvh in range(h0(sl), h0(sl + 1)):
+                step(q, k_pool, v_pool, _row_table(bt, r, cap), r, kvh, b, ctx,
+                     lane_slice(acc, kvh, acc_shape), lane_slice(st, kvh, st_shape), rs, scores)
+            if sp.split(ctx):
+                if b + 1 == sp.part_start(pc[0] + 1, sp.parts(ctx), ctx):
+                    keep(acc, st, acc_p, st_p, pc[0], sl)
+                    for kvh in range(h0(sl), h0(sl + 1)):
+                        init(lane_slice(acc, kvh, acc_shape), lane_slice(st, kvh, st_shape))
+                    pc[0] = pc[0] + 1
+
+    @T.macro
     def body(q, k_pool, v_pool, bt, context_lens, out):
         check(bt, context_lens)
+        acc_ps = T.decl_buffer((B * S, MAX_PARTS, Hkv) + acc_shape, "float32")  # parts' states
+        st_ps = T.decl_buffer((B * S, MAX_PARTS, Hkv) + st_shape, "float32")
         for task in T.parallel(B * S):  # (row, slice of kv heads)
+            acc_p = lane_slice(acc_ps, task, (MAX_PARTS, Hkv) + acc_shape)
+            st_p = lane_slice(st_ps, task, (MAX_PARTS, Hkv) + st_shape)
             if context_lens[task // S] > 0:
-                acc_all = scratch_buffer((Hkv,) + acc_shape)  # every head's running state
-                st_all = scratch_buffer((Hkv,) + st_shape)
+                acc = scratch_buffer((Hkv,) + acc_shape)  # the part's running state
+                st = scratch_buffer((Hkv,) + st_shape)
                 rs = scratch_buffer(r_shape)
                 scores = scratch_buffer(s_shape)
-                for kvh in range(h0(task % S), h0(task % S + 1)):
-                    init(lane_slice(acc_all, kvh, acc_shape), lane_slice(st_all, kvh, st_shape))
-                for b in range(first_block(context_lens[task // S], window, bs),
-                               (context_lens[task // S] + bs - 1) // bs):
+                walk(q, k_pool, v_pool, bt, task // S, task % S, context_lens[task // S], acc,
+                     st, acc_p, st_p, rs, scores)
+                if sp.split(context_lens[task // S]):
+                    sp.merge(out, task // S, acc_p, st_p, sp.parts(context_lens[task // S]),
+                             h0(task % S), h0(task % S + 1))
+                else:  # one part: the B = 1 kernel's serial walk's finish
                     for kvh in range(h0(task % S), h0(task % S + 1)):
-                        step(q, k_pool, v_pool, _row_table(bt, task // S, cap), task // S, kvh,
-                             b, context_lens[task // S], lane_slice(acc_all, kvh, acc_shape),
-                             lane_slice(st_all, kvh, st_shape), rs, scores)
-                for kvh in range(h0(task % S), h0(task % S + 1)):
-                    for g in range(G):
-                        for d in T.vectorized(D):
-                            out[task // S, (kvh * G + g) * D + d] = (
-                                acc_all[kvh, g, d] / st_all[kvh, 1, g])
+                        for g in range(G):
+                            for d in T.vectorized(D):
+                                out[task // S, (kvh * G + g) * D + d] = (
+                                    acc[kvh, g, d] / st[kvh, 1, g])
             else:
                 for kvh in range(h0(task % S), h0(task % S + 1)):
                     for c in T.vectorized(G * D):

@@ -63,7 +63,9 @@ def rms_inv_macro(H: int, eps: float):
 
 @cached
 def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = False):
-    """y = x * rsqrt(mean(x^2) + eps) * w, per row, in float32 (as HF's LlamaRMSNorm)."""
+    """y = x * w * rsqrt(mean(x^2) + eps), per row, in float32 (HF's LlamaRMSNorm up to the
+    order of the two products): each row exactly as the decode GEMVs normalise their input
+    (``gemv._macros``), so a batched row's norm is the B = 1 step's (batch invariance)."""
     n = token_dim(n_static)
     rows_out = 1 if last_only else n
     rms_inv = rms_inv_macro(H, eps)
@@ -79,8 +81,8 @@ def rmsnorm(H: int, eps: float, n_static: int | None = None, last_only: bool = F
             for i in T.parallel(rows_out):
                 acc = scratch_buffer((VL,))
                 rms_inv(x, src(i), acc)
-                for h in T.vectorized(H):
-                    y[i, h] = x[src(i), h] * acc[1] * w[h]
+                for h in T.vectorized(H):  # (x * w) * inv, as the decode GEMVs' fused norm
+                    y[i, h] = x[src(i), h] * w[h] * acc[1]
 
     suffix = "_last" if last_only else ""
     tag = "dec" if n_static == 1 else "pre"

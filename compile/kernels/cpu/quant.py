@@ -6,8 +6,11 @@ quantized once per call to int8 in blocks of 32 (``dx = max|x| / 127``, round ha
 llama.cpp's decode does, and each weight block's contribution is an integer dot product
 (AVX2 ``vpmaddubsw`` + ``vpmaddwd`` on 256 bits, eight int32 lanes) scaled by ``d * dx``, plus
 the format's offset term (Q4_1's / Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, the k-quants' -dmin m)
-times ``dx * sum(xq)``, precomputed per block.  Four blocks of a row run in four independent
-accumulators.  Rows are shared out in 16-row units as the float GEMV's are
+times ``dx * sum(xq)``, precomputed per block.  A row's blocks add into one accumulator in
+block order, in the GEMVs and in the tiles alike, so a row's sum is the same whatever the batch
+(batch invariance): a unit's integer dot products and scaling mostly hide the one add chain's
+latency (the layers' GEMVs measured as fast as with four chains, the Q8_0 LM head 0.96-0.99x;
+docs/design.md).  Rows are shared out in 16-row units as the float GEMV's are
 (``claimed_units``).  The LM head quantizes its input to int16 instead (``wide_x``:
 ``vpmaddwd`` of widened quants), as accurate as float32 activations to ~1e-5 and faster than
 decoding its blocks to float.
@@ -51,7 +54,7 @@ from .linear import (DEFAULT_TILE, MB, _reduce_macro, _task, _tile_tag, store_ma
                      swiglu_store_macro)
 from .simd import L1, L2, NTA, VL, claimed_units, prefetch_ahead_macro, scratch_buffer
 
-ACCS = 4  # independent accumulators per row (blocks in flight)
+ACCS = 4  # blocks per step of a row loop (the prefetch's stride)
 # How far ahead of a GEMV row's read position its bytes are prefetched: 1024 for the 4- to
 # 6-bit formats; 512 for Q8_0, which covers twice their bytes per instruction (the distances
 # and what measured them: docs/design.md#prefetch-distances-for-quantized-rows)
@@ -175,33 +178,31 @@ def _row_dot(fmt, K: int, wide: bool = False, locality: int = NTA):
     unit_dot = fmt.wide_dot if wide else fmt.int_dot  # int32x8 (AVX2)
 
     @T.macro
-    def block(Wv, c, b, xq, xd, xsum, acc, macc, a):
-        acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + T.Cast(
+    def block(Wv, c, b, xq, xd, xsum, acc, macc):
+        acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + T.Cast(
             "float32x8", unit_dot(Wv, c, b, xq, b * QBLOCK)) * T.broadcast(
             fmt.scale(Wv, c, b) * xd[b], 8)
         if fmt.has_offset:
-            macc[a] = macc[a] + fmt.offset(Wv, c, b) * xsum[b]
+            macc[0] = macc[0] + fmt.offset(Wv, c, b) * xsum[b]
 
     @T.macro
     def dot(W, Wi, Wh, xq, xd, xsum, Y, r, c):
-        acc = T.decl_buffer((ACCS, 8), "float32")
-        macc = T.decl_buffer((ACCS,), "float32")
-        for a in T.unroll(ACCS):
-            acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
-            macc[a] = T.float32(0)
+        # one chain in block order, reduced as ``_tile_dot`` reduces each token's (batch
+        # invariance: a row's sum is the same in the GEMV and in every tile)
+        acc = T.decl_buffer((8,), "float32")
+        macc = T.decl_buffer((1,), "float32")
+        acc[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        macc[0] = T.float32(0)
         flat = T.decl_buffer((W.shape[0] * W.shape[1],), "uint8", data=W.data)
         for bo in range(NB // U):
             prefetch(flat, c * RB + bo * STEP)
             for a in T.unroll(U):
-                block((W, Wi, Wh), c, bo * U + a, xq, xd, xsum, acc, macc, a % ACCS)
+                block((W, Wi, Wh), c, bo * U + a, xq, xd, xsum, acc, macc)
         for a in T.unroll(NB % U):
-            block((W, Wi, Wh), c, NB // U * U + a, xq, xd, xsum, acc, macc, a % ACCS)
-        for v in T.vectorized(8):
-            acc[0, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
+            block((W, Wi, Wh), c, NB // U * U + a, xq, xd, xsum, acc, macc)
         for v in T.vectorized(4):
-            acc[0, v] = acc[0, v] + acc[0, v + 4]
-        Y[r] = ((acc[0, 0] + acc[0, 1]) + (acc[0, 2] + acc[0, 3])
-                + ((macc[0] + macc[1]) + (macc[2] + macc[3])))
+            acc[v] = acc[v] + acc[v + 4]
+        Y[r] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + macc[0]
 
     return dot
 
@@ -560,12 +561,11 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
     """``tile(Wv, c, xq, xd, xsum, m0, Y)``: Y[t] = row c of W . token m0 + t of x (quantized
     by ``_rows_quantizer``) for ``tt`` tokens, each 32-weight unit an integer dot product as in
     the decode GEMV.  A unit's weights are loaded and unpacked once for all ``tt`` tokens (LLVM
-    keeps the one unpacked vector: nothing is stored to memory between the uses).  Accumulators
-    are float32x8 per token, in ``ACCS / tt`` chains taken by units in turn where ``tt`` is
-    below ``ACCS`` (one chain would wait on its add's latency every unit), reduced once."""
+    keeps the one unpacked vector: nothing is stored to memory between the uses).  One float32x8
+    accumulator per token, its units added in block order and reduced as the decode GEMV's
+    (``_row_dot``): a token's sum depends neither on ``tt`` nor on the other tokens."""
     NB = K // QBLOCK
     _RB, U, _STEP = _row_step(fmt, K)
-    chains = max(1, ACCS // tt)
     unit_dot = fmt.wide_dot if wide else fmt.int_dot
     q_at, s_at = _tiled_at(K)
     # Q4_K / Q5_K: the super-block's scales and offsets decoded as vectors once per step
@@ -580,21 +580,19 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
     @T.macro
     def unit(Wv, c, b, a, sm, xq, xd, xsum, m0, acc, macc):
         for t in T.unroll(tt):
-            acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + T.Cast(
+            acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + T.Cast(
                 "float32x8", unit_dot(Wv, c, b, xq, q_at(m0 + t, b))
             ) * T.broadcast(scale(Wv, c, b, a, sm) * xd[s_at(m0 + t, b)], 8)
             if fmt.has_offset:
-                macc[a % chains, t] = macc[a % chains, t] + offset(Wv, c, b, a, sm) * xsum[
-                    s_at(m0 + t, b)]
+                macc[t] = macc[t] + offset(Wv, c, b, a, sm) * xsum[s_at(m0 + t, b)]
 
     @T.macro
     def tile(Wv, c, xq, xd, xsum, m0, Y):
-        acc = T.decl_buffer((chains, tt, 8), "float32")
-        macc = T.decl_buffer((chains, tt), "float32")
-        for h in T.unroll(chains):
-            for t in T.unroll(tt):
-                acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
-                macc[h, t] = T.float32(0)
+        acc = T.decl_buffer((tt, 8), "float32")
+        macc = T.decl_buffer((tt,), "float32")
+        for t in T.unroll(tt):
+            acc[t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+            macc[t] = T.float32(0)
         sm = T.decl_buffer((2, 8), "float32")
         for bo in range(NB // U):
             if vector_scales:
@@ -605,14 +603,9 @@ def _tile_dot(fmt, K: int, tt: int, wide: bool):
         for a in T.unroll(NB % U):
             unit(Wv, c, NB // U * U + a, a, sm, xq, xd, xsum, m0, acc, macc)
         for t in T.unroll(tt):
-            for h in T.unroll(chains - 1):
-                for v in T.vectorized(8):
-                    acc[0, t, v] = acc[0, t, v] + acc[h + 1, t, v]
-                macc[0, t] = macc[0, t] + macc[h + 1, t]
             for v in T.vectorized(4):
-                acc[0, t, v] = acc[0, t, v] + acc[0, t, v + 4]
-            Y[t] = ((acc[0, t, 0] + acc[0, t, 1]) + (acc[0, t, 2] + acc[0, t, 3])
-                    + macc[0, t])
+                acc[t, v] = acc[t, v] + acc[t, v + 4]
+            Y[t] = ((acc[t, 0] + acc[t, 1]) + (acc[t, 2] + acc[t, 3])) + macc[t]
 
     return tile
 
@@ -760,10 +753,12 @@ def linear_swiglu_int8(I: int, K: int, wfmt: str, vnni: bool = False, locality: 
     return finalize(func, f"matmul_i8_swiglu_{I}x{K}_{wfmt}")
 
 
-# batch buckets of at most this many rows over quantized weights take the int8 tiles; larger
-# ones and prefill the float tile over decoded weights, which measured faster from 8 rows on
-# (docs/design.md: Batched decode)
-SMALL_ROWS = 4
+# batch buckets over quantized weights take the int8 tiles at every size: their x quantized
+# and their sums ordered as the decode GEMV's, so a row's logits are the same in every bucket
+# and at B = 1 (batch invariance).  The float tile over decoded weights measured faster from 8
+# rows on over row layouts, which only matrices that cannot be interleaved still take (an LM
+# head in a format without int16 x, shapes not a multiple of 8 rows; docs/design.md).
+SMALL_ROWS = 1 << 20
 # interleaved rows: the int8 tile at every bucket (about 2x the float tile at 4-128 rows on
 # SmolLM2's and the 1.1B shape's matrices; docs/design.md)
 SMALL_ROWS_INTERLEAVED = 1 << 20
@@ -818,10 +813,10 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
                vnni: bool = False):
     """``dot(Wv, x4, xd, xsum, x0, Y, y0, g)``: Y[y0 : y0 + 8] = the 8 rows of group g . x,
     x quantized per 32-block to int8 (``wide``: int16; ``x4`` its ``_x_view`` from element
-    ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  Four units in flight, in four
-    accumulators; a k-quant steps whole super-blocks (8 units), so each unit's sub-block is a
-    constant.  ``ahead``: the prefetch distance in bytes (default: the format's); ``vnni`` as for
-    ``gemv``."""
+    ``x0 / 4``, its blocks' ``xd`` / ``xsum`` from ``x0 / 32``).  The units add into one
+    accumulator in block order, as each token's in ``_group_tile`` (batch invariance); a k-quant
+    steps whole super-blocks (8 units), so each unit's sub-block is a constant.  ``ahead``: the
+    prefetch distance in bytes (default: the format's); ``vnni`` as for ``gemv``."""
     NB = K // QBLOCK
     U = max(ACCS, fmt.block // QBLOCK)
     ahead = ahead or PREFETCH_BYTES.get(fmt.base.name, PREFETCH_DEFAULT)
@@ -836,22 +831,20 @@ def _group_dot(fmt, K: int, wide: bool = False, locality: int = NTA, ahead: int 
 
     @T.macro
     def dot(Wv, x4, xd, xsum, x0, Y, y0, g):
-        acc = T.decl_buffer((ACCS, 8), "float32")
-        for a in T.unroll(ACCS):
-            acc[a, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        acc = T.decl_buffer((8,), "float32")
+        acc[T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
         flat = T.decl_buffer((Wv[0].shape[0] * Wv[0].shape[1],), "uint8", data=Wv[0].data)
         for bo in range(NB // U):
             prefetch(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
             if has_near:
                 near(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
             for a in T.unroll(U):
-                acc[a % ACCS, T.ramp(0, 1, 8)] = acc[a % ACCS, T.ramp(0, 1, 8)] + unit(
+                acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + unit(
                     Wv, g, bo * U + a, x4, xd, xsum, x0)
         for a in T.unroll(NB % U):
-            acc[a, T.ramp(0, 1, 8)] = acc[a, T.ramp(0, 1, 8)] + unit(
+            acc[T.ramp(0, 1, 8)] = acc[T.ramp(0, 1, 8)] + unit(
                 Wv, g, NB // U * U + a, x4, xd, xsum, x0)
-        Y[T.ramp(y0, 1, 8)] = (acc[0, T.ramp(0, 1, 8)] + acc[1, T.ramp(0, 1, 8)]) + (
-            acc[2, T.ramp(0, 1, 8)] + acc[3, T.ramp(0, 1, 8)])
+        Y[T.ramp(y0, 1, 8)] = acc[T.ramp(0, 1, 8)]
 
     return dot
 
@@ -867,13 +860,12 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
                 locality: int = NTA):
     """``tile(Wv, g, x4, xd, xsum, m0, Y)``: Y[8 t + r] = row r of group g . token m0 + t for
     ``tt`` tokens; each unit's quants are loaded once for all of them (LLVM keeps the unpacked
-    vectors between the unrolled tokens' uses).  Below 4 tokens, units take ``ACCS / tt``
-    accumulator chains in turn (``_tile_dot``); a k-quant steps whole super-blocks.  The
+    vectors between the unrolled tokens' uses).  One accumulator per token, units in block
+    order, as the decode GEMV's (``_group_dot``); a k-quant steps whole super-blocks.  The
     group's row is prefetched ahead as the decode GEMV's (its distance, ``locality`` its
     hint): without it the tile read Q6_K / Q4_K weights at 8-20 GB/s (docs/design.md)."""
     NB = K // QBLOCK
-    chains = max(1, ACCS // tt)
-    U = max(chains, fmt.block // QBLOCK)
+    U = max(ACCS // tt, fmt.block // QBLOCK, 1)
     group_unit = _group_unit(fmt, wide, vnni)
     prefetch = prefetch_ahead_macro(U * fmt.step_bytes, "uint8", _one_stream_ahead(fmt),
                                     locality)
@@ -884,26 +876,22 @@ def _group_tile(fmt, K: int, tt: int, wide: bool = False, vnni: bool = False,
 
     @T.macro
     def tile(Wv, g, x4, xd, xsum, m0, Y):
-        acc = T.decl_buffer((chains, tt, 8), "float32")
-        for h in T.unroll(chains):
-            for t in T.unroll(tt):
-                acc[h, t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
+        acc = T.decl_buffer((tt, 8), "float32")
+        for t in T.unroll(tt):
+            acc[t, T.ramp(0, 1, 8)] = T.broadcast(T.float32(0), 8)
         flat = T.decl_buffer((Wv[0].shape[0] * Wv[0].shape[1],), "uint8", data=Wv[0].data)
         for bo in range(NB // U):
             prefetch(flat, g * (NB * fmt.step_bytes) + bo * (U * fmt.step_bytes))
             for a in T.unroll(U):
                 for t in T.unroll(tt):
-                    acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + (
-                        unit(Wv, g, bo * U + a, x4, xd, xsum, m0 + t))
+                    acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + unit(
+                        Wv, g, bo * U + a, x4, xd, xsum, m0 + t)
         for a in T.unroll(NB % U):
             for t in T.unroll(tt):
-                acc[a % chains, t, T.ramp(0, 1, 8)] = acc[a % chains, t, T.ramp(0, 1, 8)] + unit(
+                acc[t, T.ramp(0, 1, 8)] = acc[t, T.ramp(0, 1, 8)] + unit(
                     Wv, g, NB // U * U + a, x4, xd, xsum, m0 + t)
         for t in T.unroll(tt):
-            for h in T.unroll(chains - 1):
-                acc[0, t, T.ramp(0, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)] + acc[
-                    h + 1, t, T.ramp(0, 1, 8)]
-            Y[T.ramp(t * 8, 1, 8)] = acc[0, t, T.ramp(0, 1, 8)]
+            Y[T.ramp(t * 8, 1, 8)] = acc[t, T.ramp(0, 1, 8)]
 
     return tile
 
