@@ -147,9 +147,8 @@ def test_a_rejected_step_changes_no_sequence(bad, load):
 def test_batched_logits_track_solo_ones(load, request, source, dtype, rows):
     """Half-precision weights and cache, or Q4_0 weights: each row of a batched step against the
     same sequence decoded alone (B = 1, its own pool), fed the same tokens, within the float16
-    tolerance, or, Q4_0 (on the CPU its rows interleaved by 8, whose buckets all take the int8
-    tiles: the GEMVs' arithmetic, summed in another order), QUANT_BATCH_RTOL of the largest
-    logit.  float16 on the Llama and Qwen2 (bias, tied) checkpoints too: six rows in a 16-row
+    tolerance, or, Q4_0, QUANT_BATCH_RTOL of the largest logit (a bound: quantized rows are
+    bit-identical to decode's, tests/test_batch_invariance.py).  float16 on the Llama and Qwen2 (bias, tied) checkpoints too: six rows in a 16-row
     bucket (the matmul tiles), four in a 4-row one (the small-batch GEMVs)."""
     opts = (dict(weight_dtype="float16", cache_dtype="float16") if dtype == "float16"
             else dict(weight_dtype=dtype))
