@@ -208,15 +208,20 @@ class StepRunner:
             plan.upload()
             res = self.single._call(f"batch_decode_{B}", plan.fn, *plan.tensors,
                                     self.single._pools_arg, self.single._params_arg)
-            logits = host_rows(res, len(part), lambda r: self._where(part[r], rows))
+            logits = host_rows(res, len(part), lambda r: self._where(r, part[r], rows))
             self._counts[B] += 1
         self._timed(B, t0)
         return logits
 
     @staticmethod
-    def _where(item, rows) -> str:
+    def _where(r: int, item, rows) -> str:
+        """What token row ``r`` of a call was, for an error naming it."""
         i, pos = item
-        return f"batched row of sequence {rows[i].handle.seq_id} at position {pos}"
+        seq, n = rows[i].handle.seq_id, len(rows[i].tokens)
+        if n == 1:
+            return f"batched decode row {r} (sequence {seq} at position {pos})"
+        what = "verification" if rows[i].all_logits else "prefill"
+        return f"{what} of sequence {seq} at position {pos} (batched row {r})"
 
     def _timed(self, plan: int, t0: float) -> None:
         took = time.perf_counter() - t0
