@@ -8,15 +8,14 @@ server.  The :class:`~paged_decode.runtime.generate.Generator` over the same poo
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from .artifact import Artifact, WeightPack, load_artifact, load_weights
 from .checks import is_int
-from .errors import BusyError, CapacityError, InputError
-from .generate import GenerationStats, Generator
+from .errors import CapacityError, InputError
+from .generate import GenerationStats, Generator, OneAtATime
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -39,8 +38,7 @@ class Engine:
         self.scheduler = Scheduler(artifact, weights, pool, max_running=1,
                                    prefix_cache=prefix_cache, speculative=speculative)
         self.stats = GenerationStats()
-        self._lock = threading.Lock()
-        self._holder: int | None = None
+        self._exclusive = OneAtATime("engine")
 
     @classmethod
     def load(cls, artifact_dir: str | Path, weights_dir: str | Path, *,
@@ -101,13 +99,7 @@ class Engine:
         return self._stream(req, max_new_tokens)
 
     def _stream(self, req, wanted: int) -> Iterator[int]:
-        me = threading.get_ident()
-        if self._holder == me:
-            raise BusyError("this thread already has an unfinished generation on this engine "
-                            "(a stream not read to its end); finish it or call its close() "
-                            "before starting another")
-        with self._lock:
-            self._holder = me
+        with self._exclusive.hold():
             try:
                 yield from self._steps(req)
                 if req.finish_reason == "length" and len(req.tokens) < wanted:
@@ -118,7 +110,6 @@ class Engine:
                         "the artifact's max_blocks_cap * block_size; shorten the prompt or "
                         "compile with a larger max_blocks_cap (paged-compile --max-context)")
             finally:
-                self._holder = None
                 self.scheduler.cancel(req)  # frees its blocks if it did not finish
 
     def _steps(self, req) -> Iterator[int]:

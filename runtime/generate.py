@@ -38,6 +38,30 @@ class GenerationStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class OneAtATime:
+    """Generations on one object run one at a time; the thread holding it asking again is a
+    :class:`BusyError` (it would wait for itself forever)."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # thread id of the generation running now
+
+    @contextlib.contextmanager
+    def hold(self):
+        me = threading.get_ident()
+        if self._holder == me:
+            raise BusyError(f"this thread already has an unfinished generation on this "
+                            f"{self._what} (a stream not read to its end); finish it or call its "
+                            "close() before starting another")
+        with self._lock:
+            self._holder = me
+            try:
+                yield
+            finally:
+                self._holder = None
+
+
 class Generator:
     """Generates over one pool; holds the decode session and rebuilds it when it goes stale.
 
@@ -53,24 +77,7 @@ class Generator:
         self.artifact, self.weights, self.pool = artifact, weights, pool
         self.session: PagedDecodeSession | None = None
         self.stats = GenerationStats()
-        self._lock = threading.Lock()
-        self._holder: int | None = None  # thread id of the generation running now
-
-    @contextlib.contextmanager
-    def _exclusive(self):
-        """Hold the generator for one generation; the same thread asking again is a
-        :class:`BusyError` (it would wait for itself forever)."""
-        me = threading.get_ident()
-        if self._holder == me:
-            raise BusyError("this thread already has an unfinished generation on this generator "
-                            "(a stream not read to its end); finish it or call its close() "
-                            "before starting another")
-        with self._lock:
-            self._holder = me
-            try:
-                yield
-            finally:
-                self._holder = None
+        self._exclusive = OneAtATime("generator")
 
     def current_session(self) -> PagedDecodeSession:
         """The session for the current (artifact, weights, pool allocation), built if needed."""
@@ -130,7 +137,7 @@ class Generator:
 
     def _stream(self, ids: np.ndarray, max_new_tokens: int, sampler: Sampler,
                 stop: set[int]) -> Iterator[int]:
-        with self._exclusive():
+        with self._exclusive.hold():
             self.stats = GenerationStats(session_builds=0)
             handle = self.pool.new_sequence()
             try:

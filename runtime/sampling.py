@@ -152,6 +152,14 @@ class Sampler:
         """One token id from ``logits``: a 1-D float vector ``[vocab_size]`` (float32 usually).
         With logit controls, the token is recorded as this sampler's output (penalties count
         it from the next call on)."""
+        x, top = self._controlled(logits)
+        token = self._pick(x, top)
+        if self.processor is not None:
+            self.processor.record(token)
+        return token
+
+    def _controlled(self, logits: np.ndarray) -> tuple[np.ndarray, float]:
+        """The checked logits with the logit controls applied, and their maximum."""
         x, top = _checked_logits(logits)
         if self.processor is not None:
             x = self.processor.apply(x)
@@ -159,10 +167,13 @@ class Sampler:
             if top == -np.inf:
                 raise SamplingError("logit_bias / min_tokens ban every token this step allows; "
                                     "ban fewer tokens")
-        token = self._pick(x, top)
-        if self.processor is not None:
-            self.processor.record(token)
-        return token
+        return x, top
+
+    def _weights(self, x: np.ndarray, top: float):
+        """``_candidates`` over this sampler's reused work array."""
+        if len(self._work) != len(x):
+            self._work = np.empty(len(x), np.float32)
+        return _candidates(x, self.params, top, self._work)
 
     def sample_draft(self, logits: np.ndarray, draft: int) -> int:
         """One token from ``logits`` given a token a drafter proposed for this position: with
@@ -172,16 +183,7 @@ class Sampler:
         takes the same ``argmax`` whatever was drafted."""
         if self.params.greedy:
             return self.sample(logits)
-        x, top = _checked_logits(logits)
-        if self.processor is not None:
-            x = self.processor.apply(x)
-            top = float(np.max(x))
-            if top == -np.inf:
-                raise SamplingError("logit_bias / min_tokens ban every token this step allows; "
-                                    "ban fewer tokens")
-        if len(self._work) != len(x):
-            self._work = np.empty(len(x), np.float32)
-        ids, weights = _candidates(x, self.params, top, self._work)
+        ids, weights = self._weights(*self._controlled(logits))
         at = (np.array([draft]) if ids is None else np.flatnonzero(ids == draft))
         mass = float(weights[at[0]]) if at.size else 0.0
         total = float(weights.sum(dtype=np.float64))
@@ -199,9 +201,7 @@ class Sampler:
     def _pick(self, x: np.ndarray, top: float) -> int:
         if self.params.greedy:
             return int(np.argmax(x))  # first maximum = lowest id
-        if len(self._work) != len(x):
-            self._work = np.empty(len(x), np.float32)
-        ids, weights = _candidates(x, self.params, top, self._work)
+        ids, weights = self._weights(x, top)
         i = _draw(weights, self._rng.random())
         return i if ids is None else int(ids[i])
 

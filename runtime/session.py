@@ -221,15 +221,7 @@ class PagedDecodeSession:
             if off is None:
                 off = handle.write_offset(pos)
             self.bind_offset(off)
-            if self._table_of != (handle.seq_id, handle.version):
-                handle.fill_block_table(self._table_host)
-                self._table_of = (handle.seq_id, handle.version)
-            self._token_host[0] = token_id
-            self._upload()
-            logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
-                                self._pools_arg, self._params_arg)
-            row = _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at "
-                                                  f"position {pos}")
+            row = self._decode_call(handle, token_id, pos, off)
         except BaseException:
             if snap is not None:
                 handle.restore(snap)
@@ -272,7 +264,14 @@ class PagedDecodeSession:
     def decode_at(self, handle: SessionHandle, token_id: int, pos: int) -> np.ndarray:
         """The compiled decode of a checked ``token_id`` at position ``pos`` of a sequence that
         reserved it; its logits.  Advances nothing (see :meth:`prefill_reserved`)."""
-        off = handle.write_offset(pos)
+        row = self._decode_call(handle, token_id, pos, handle.write_offset(pos))
+        self.realize_count += 1
+        return row
+
+    def _decode_call(self, handle: SessionHandle, token_id: int, pos: int, off: int
+                     ) -> np.ndarray:
+        """``decode`` of ``token_id`` at ``pos`` of ``handle``'s sequence, written at ``off``
+        (the block table refilled only when the sequence's blocks changed); its logits."""
         if self._table_of != (handle.seq_id, handle.version):
             handle.fill_block_table(self._table_host)
             self._table_of = (handle.seq_id, handle.version)
@@ -280,7 +279,6 @@ class PagedDecodeSession:
         self._upload()
         logits = self._call("decode", self._decode, self._token, self._table, pos + 1, off,
                             self._pools_arg, self._params_arg)
-        self.realize_count += 1
         return _host_logits(logits, lambda _r: f"decode of sequence {handle.seq_id} at "
                                                f"position {pos}")
 

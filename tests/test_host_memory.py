@@ -30,30 +30,27 @@ def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (Linux smaps)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """The values of ``field`` (``VmFlags``, ``Rss``, ...) of the mapping of this process that
+    holds ``address`` (Linux smaps)."""
     mapping = None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
             mapping = lo <= address < hi
-        elif line.startswith("VmFlags:") and mapping:
+        elif line.startswith(field + ":") and mapping:
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _vm_flags(address: int) -> list[str]:
+    return _smaps_field(address, "VmFlags")
+
+
 def _resident_kib(address: int) -> int:
-    """Rss of the mapping of this process that holds ``address`` (Linux smaps)."""
-    mapping = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            mapping = lo <= address < hi
-        elif line.startswith("Rss:") and mapping:
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+    """Rss of the mapping of this process that holds ``address``."""
+    return int(_smaps_field(address, "Rss")[0])
 
 
 def _status_kib(field: str) -> int:
