@@ -210,9 +210,15 @@ def test_a_replica_killed_under_load_is_replaced_and_nothing_hangs(served):
             if done:
                 return
 
-    def victim_client(i):  # 24 at once: more than the replica runs, so some wait in its queue
-        results.append((i, victim, stream(served.url, prompts[i], 48, pin=victim,
-                                          on_text=streaming.set)))
+    def victim_client(i):  # 24 at once, more than the replica runs, so some wait in its
+        # queue; each streams again until the kill, so the kill finds streams under way
+        # however fast the replica is
+        for _ in range(50):
+            done = killed.is_set()
+            results.append((i, victim, stream(served.url, prompts[i], 48, pin=victim,
+                                              on_text=streaming.set)))
+            if done:
+                return
 
     threads = ([threading.Thread(target=survivor_client, args=(i,)) for i in range(4)]
                + [threading.Thread(target=victim_client, args=(i % 8,)) for i in range(24)])
