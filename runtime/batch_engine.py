@@ -3,9 +3,10 @@
 ``BatchEngine.submit`` queues a request and returns a :class:`RequestStream` at once; the
 engine's thread admits it at its next step, and the stream yields text pieces as tokens arrive
 (``cancel()`` ends it at the next step and frees its blocks).  ``generate_many`` submits a list
-and waits for all.  Stop strings are matched on the decoded text: the text up to the first stop
-string is returned, the stop string is not, and text that could still begin a stop string is
-held back until it cannot.
+and waits for all.  Stop strings end a request in the scheduler, at the token that completes
+one (:class:`~.request.StopStrings`): the text up to the first stop string is returned, the
+stop string is not, and text that could still begin a stop string is held back until it
+cannot.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .checks import check_stop_ids, is_int
 from .errors import EngineStoppedError, InputError, QueueFullError
 from .kv_pool import PagedKVCache
 from .sampling import SamplingParams
+from .request import StopStrings
 from .scheduler import Request, Scheduler, TokenLogprob
 from .tokenizer import Tokenizer
 
@@ -52,44 +54,32 @@ class RequestStream:
     With a ``listener`` (see :data:`Listener`) the pieces go to it instead, and the stream is
     not iterated."""
 
-    def __init__(self, engine: "BatchEngine", req: Request, stops: tuple[str, ...],
-                 listener: Listener | None = None):
-        self._engine, self.request, self._stops = engine, req, stops
+    def __init__(self, engine: "BatchEngine", req: Request, listener: Listener | None = None):
+        self._engine, self.request = engine, req
         self._listener = listener
         self._pieces: queue.Queue = queue.Queue()
-        self._decoder = engine.tokenizer.stream(skip_special_tokens=True)
-        self._text, self._sent = "", 0  # decoded so far, and how much of it was handed out
+        self._sent = 0  # how much of the request's text was handed out
         self._pushed = 0  # tokens seen, so the next one's log-probability is logprobs[_pushed]
         self._held: list[TokenLogprob] = []  # entries of tokens whose text is not out yet
-        self._cut = False  # a stop string ended the text
         self.error: BaseException | None = None
         self.finish_reason: str | None = None
         self._listener_error: BaseException | None = None
         self._ended = threading.Event()  # set once finish_reason and error are
 
     # called on the engine's thread -------------------------------------------------------------
-    def _push(self, token: int) -> bool:
-        """Add a token's text; True when a stop string ended the request."""
+    def _push(self, token: int) -> None:
+        """Hand out the text that the request's next token made final (the scheduler has
+        decoded it and ended the request at a stop string: ``request.text``)."""
         req = self.request
-        if self._cut:  # a token of the step whose earlier token completed a stop string
-            return True
-        if token not in req.stop_ids:
-            self._text += self._decoder.push(token)
-            if req.top_logprobs is not None:
-                self._held.append(req.logprobs[self._pushed])
+        if token not in req.stop_ids and req.top_logprobs is not None:
+            self._held.append(req.logprobs[self._pushed])
         self._pushed += 1
-        cut = min((i for i in (self._text.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._text, self._cut = self._text[:cut], True
-            self._send(len(self._text))
-            return True
-        hold = max((len(s) - 1 for s in self._stops), default=0)
-        self._send(max(self._sent, len(self._text) - hold))
-        return False
+        self._send(req.text.ready(self._pushed))
 
     def _send(self, upto: int, final: bool = False) -> None:
         if upto > self._sent or (final and self._held):
-            self._deliver(Delta(self._text[self._sent:upto], tuple(self._held)))
+            text = self.request.text.text
+            self._deliver(Delta(text[self._sent:upto], tuple(self._held)))
             self._sent, self._held = upto, []
 
     def _deliver(self, item) -> None:
@@ -102,9 +92,10 @@ class RequestStream:
                 self._listener_error = e  # only, whatever it raised (the engine's thread lives)
 
     def _close(self, reason: str | None, error: BaseException | None = None) -> None:
+        text = self.request.text
         if error is None and reason != "stop":
-            self._text += self._decoder.flush()
-        self._send(len(self._text), final=True)
+            text.flush()
+        self._send(len(text.text), final=True)
         if self._listener_error is not None:  # its last pieces raised in the listener
             reason, error = "error", error or self._listener_error
         self.finish_reason, self.error = reason, error
@@ -138,7 +129,7 @@ class RequestStream:
         self.wait()
         if self.error is not None:
             raise self.error
-        return self._text
+        return self.request.text.text
 
     def wait(self) -> None:
         """Wait until the request has ended (``finish_reason`` set);
@@ -252,7 +243,10 @@ class BatchEngine:
                              f"({self.capacity}: max_running {self.scheduler.max_running} + "
                              f"max_waiting {self.max_waiting}); ask for at most "
                              f"{self.capacity}, or raise max_waiting")
-        streams = [RequestStream(self, req, tuple(stop), listener) for req in group]
+        for req in group:
+            req.text = StopStrings(self.tokenizer.stream(skip_special_tokens=True), tuple(stop),
+                                   req.stop_ids)
+        streams = [RequestStream(self, req, listener) for req in group]
         with self._lock:
             bound = self.capacity
             if bound is not None and self._active + len(streams) > bound:
@@ -414,9 +408,7 @@ class BatchEngine:
                 stream = self._streams.get(req.id)
                 if stream is None:
                     continue
-                if stream._push(token) and not req.finished:
-                    sched.cancel(req)
-                    req.finish_reason = "stop"
+                stream._push(token)
                 if stream._listener_error is not None:
                     if not req.finished:
                         sched.cancel(req)

@@ -62,6 +62,8 @@ class Request:
     drafter: object | None = None  # with speculative decoding on (.speculative's drafters)
     drafted: int = 0  # tokens drafted for it, and how many of them verification accepted
     accepted: int = 0
+    text: "StopStrings | None" = None  # its decoded text, when it has stop strings or a reader
+
 
     @property
     def finished(self) -> bool:
@@ -70,6 +72,46 @@ class Request:
     @property
     def first_token_s(self) -> float | None:
         return self.token_times[0] - self.submitted_s if self.token_times else None
+
+
+class StopStrings:
+    """A request's decoded text, ended at the first of its stop strings.
+
+    :meth:`push` takes every token the scheduler records, in order, and says whether the text
+    now holds a stop string; the scheduler ends the request at that token (``Scheduler._ends``),
+    so a stop string ends a request where a stop id does: its tokens stop there, also when
+    verification accepted drafted tokens past it.  A reader of the text (the batching engine's
+    streams) takes ``text[:ready(n)]`` after the ``n``-th token: what no later token can still
+    turn into the start of a stop string."""
+
+    def __init__(self, decoder, stops: tuple[str, ...], stop_ids: frozenset):
+        self._decoder, self.stops, self._stop_ids = decoder, tuple(stops), stop_ids
+        self._hold = max((len(s) - 1 for s in self.stops), default=0)
+        self.text = ""
+        self.cut = False  # a stop string ended the text
+        self._after: list[int] = []  # the text's length after each token
+
+    def push(self, token: int) -> bool:
+        if not self.cut and token not in self._stop_ids:  # a stop id has no text
+            self.text += self._decoder.push(token)
+            at = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+            if at >= 0:
+                self.text, self.cut = self.text[:at], True
+        self._after.append(len(self.text))
+        return self.cut
+
+    def ready(self, n: int) -> int:
+        """How much of the text is final once ``n`` tokens are in."""
+        upto = self._after[n - 1] if n else 0
+        return upto if self.cut and n == len(self._after) else max(upto - self._hold, 0)
+
+    def flush(self) -> None:
+        """The end of the request: the decoder's held bytes become text (unless a stop ended
+        it)."""
+        if not self.cut:
+            self.text += self._decoder.flush()
+            if self._after:
+                self._after[-1] = len(self.text)
 
 
 def token_logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:

@@ -11,8 +11,8 @@ Each :meth:`Scheduler.step`:
    token each, or with speculative decoding on (:mod:`.speculative`) the drafted tokens too,
    verified in the same call;
 4. samples each row with its request's own parameters (greedy rows with one ``argmax``), and
-   ends a request at a stop id, at its ``max_tokens`` (:meth:`Scheduler._ends`, the one place)
-   or when cancelled.
+   ends a request at a stop id or stop string, at its ``max_tokens`` (:meth:`Scheduler._ends`,
+   the one place) or when cancelled.
 
 With the prefix cache on, every full block a request writes is cached by its tokens
 (:mod:`.prefix_cache`) as soon as it is full, and kept after the request ends: a request that
@@ -387,8 +387,10 @@ class Scheduler(SpeculativeSteps):
     @staticmethod
     def _ends(req: Request, token: int) -> str | None:
         """Why ``token`` ends ``req`` (``"stop"``, ``"length"``), or None: the one place a
-        request's own limits end it."""
-        if token in req.stop_ids or (req.constraint is not None and req.constraint.done):
+        request's own limits end it (stop ids, a finished grammar, stop strings, max_tokens)."""
+        text_stop = req.text is not None and req.text.push(token)
+        if (token in req.stop_ids or (req.constraint is not None and req.constraint.done)
+                or text_stop):
             return "stop"
         if len(req.tokens) >= req.max_tokens:
             return "length"

@@ -245,6 +245,15 @@ def test_stop_strings_cut_the_text_before_them(engines):
     assert stop and full.find(stop) >= 0
     stream = batch.submit("hello", max_new_tokens=16, stop=[stop])
     assert stream.text() == full[:full.find(stop)] and stream.finish_reason == "stop"
+    # the request ends at the token that completes the stop string, as at a stop id; text is
+    # final once it does not end inside a character (a partial one decodes as U+FFFD)
+    tokens = solo.generator.generate(solo.encode_prompt("hello"), 16)
+    texts = [solo.tokenizer.decode(tokens[:n], skip_special_tokens=True)
+             for n in range(len(tokens) + 1)]
+    final = [max(m for m in range(n + 1) if not texts[m].endswith("\ufffd"))
+             for n in range(len(texts))]
+    last = next(n for n in range(1, len(tokens) + 1) if stop in texts[final[n]])
+    assert stream.tokens == tokens[:last]
 
 
 def test_stop_token_ids_end_the_stream_without_their_text(engines):

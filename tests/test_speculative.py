@@ -90,6 +90,47 @@ def test_a_stop_id_inside_accepted_drafts_ends_the_request_there(tiny):
     assert spec[0].finish_reason == "stop"
 
 
+class _Tags:
+    """A decoder that writes token t as ``<t>``."""
+
+    def push(self, token: int) -> str:
+        return f"<{token}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_request_at_its_last_token(tiny):
+    """The token completing a stop string is the request's last, as a stop id's would be: the
+    tokens verification accepted past it are not the request's (nor its usage)."""
+    from paged_decode.runtime.request import StopStrings
+
+    artifact, weights = tiny
+    prompts = _prompts(1, artifact.manifest.vocab_size)
+    free = _run(artifact, weights, prompts, SPEC, max_tokens=40)[0][0]
+    tags = "".join(f"<{t}>" for t in free.tokens)
+
+    def text(j: int, k: int) -> str:
+        return "".join(f"<{t}>" for t in free.tokens[j:k])
+
+    def end(stop: str) -> int:  # the tokens up to the end of the stop string's first match
+        return tags[:tags.find(stop) + len(stop)].count("<")
+
+    # the shortest stop string whose first match ends with a token that one verification took
+    # together with the next one (the tokens of one verification share their time)
+    j, last = next((j, k) for k in range(1, len(free.tokens))
+                   if free.token_times[k - 1] == free.token_times[k]
+                   for j in range(k - 1, -1, -1) if end(text(j, k)) == k)
+    stop = text(j, last)
+    sched = Scheduler(artifact, weights, make_pool(artifact, 120), speculative=SPEC)
+    req = sched.add(prompts[0], max_tokens=40)
+    req.text = StopStrings(_Tags(), (stop,), req.stop_ids)
+    while sched.has_work:
+        sched.step()
+    assert req.tokens == free.tokens[:last] and req.finish_reason == "stop"
+    assert req.text.text == tags[:tags.find(stop)]
+
+
 def test_speculation_needs_batch_buckets(load):
     artifact, weights = load("tiny", block_size=4, max_context=64)
     with pytest.raises(InputError, match="--batch-buckets"):
