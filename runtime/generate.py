@@ -1,4 +1,5 @@
-"""Prefill -> plan-once decode loop, with rebuild on invalidation, stop ids and streaming."""
+"""Prefill -> plan-once decode loop over the step runner, with rebuild on invalidation, stop ids
+and streaming."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .artifact import Artifact, WeightPack
 from .checks import check_stop_ids, is_int
 from .errors import BusyError, HandleError, InputError
 from .kv_pool import PagedKVCache, SessionHandle
+from .runner import Row, StepRunner
 from .sampling import Sampler, SamplingParams
 from .session import PagedDecodeSession, check_prompt, validity_key_for
 
@@ -63,33 +65,43 @@ class OneAtATime:
 
 
 class Generator:
-    """Generates over one pool; holds the decode session and rebuilds it when it goes stale.
+    """Generates one sequence at a time over a pool it shares with its caller; holds a step
+    runner (:mod:`.runner`, the calls the scheduler makes) and rebuilds it when it goes stale.
 
     ``pool`` and ``weights`` may be replaced between (or during) generations: the next step
-    sees the changed validity key, drops the session, builds a new one and, when the sequence's
+    sees the changed validity key, drops the runner, builds a new one and, when the sequence's
     blocks are gone with the old allocation, prefills the tokens so far again.
     Thread safety: generations on one generator run one at a time (a second thread's waits
-    for the first to finish; its session, buffers and stats are one generation's state);
+    for the first to finish; its runner, buffers and stats are one generation's state);
     generators over separate pools run concurrently.
     """
 
     def __init__(self, artifact: Artifact, weights: WeightPack, pool: PagedKVCache):
         self.artifact, self.weights, self.pool = artifact, weights, pool
-        self.session: PagedDecodeSession | None = None
+        self.runner: StepRunner | None = None
         self.stats = GenerationStats()
         self._exclusive = OneAtATime("generator")
 
-    def current_session(self) -> PagedDecodeSession:
-        """The session for the current (artifact, weights, pool allocation), built if needed."""
+    @property
+    def session(self) -> PagedDecodeSession | None:
+        """The B = 1 plan of the current runner (None before the first generation)."""
+        return None if self.runner is None else self.runner.single
+
+    def current_runner(self) -> StepRunner:
+        """The runner for the current (artifact, weights, pool allocation), built if needed."""
         key = validity_key_for(self.artifact, self.weights, self.pool)
-        if self.session is None or not self.session.is_valid_for(*dataclasses.astuple(key)):
-            self.session = PagedDecodeSession(self.artifact, self.weights, self.pool)
+        if self.runner is None or not self.runner.is_valid_for(*dataclasses.astuple(key)):
+            self.runner = StepRunner(self.artifact, self.weights, self.pool)
             self.stats.session_builds += 1
-        return self.session
+        return self.runner
+
+    def current_session(self) -> PagedDecodeSession:
+        """The B = 1 plan for the current (artifact, weights, pool allocation)."""
+        return self.current_runner().single
 
     def _prefill(self, handle: SessionHandle, ids) -> np.ndarray:
         t0 = time.perf_counter()
-        logits = self.current_session().prefill(handle, ids)
+        logits = self.current_runner().prefill(handle, ids)
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prompt_tokens += len(ids)
         return logits
@@ -103,7 +115,7 @@ class Generator:
 
     def _step(self, handle: SessionHandle, history: list[int], token: int):
         """One decode step; re-prefills ``history`` into a new sequence if the old one died."""
-        session = self.current_session()
+        runner = self.current_runner()
         if not self._owns(handle):
             if handle.is_live:  # the pool was swapped, not cleared: free it in its old pool
                 handle.release()
@@ -111,7 +123,7 @@ class Generator:
             self.stats.reprefills += 1
             return handle, self._prefill(handle, history)
         t0 = time.perf_counter()
-        logits = session.realize_token(handle, token)
+        logits = runner.run([Row(handle, [token])])[0][0]
         self.stats.decode_seconds += time.perf_counter() - t0
         self.stats.decode_tokens += 1
         return handle, logits
