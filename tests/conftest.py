@@ -157,6 +157,11 @@ def smollm_gguf() -> Path:
         pytest.skip(f"no SmolLM2 GGUF: {e}")
 
 
+# The SmolLM2 GGUF's own blocks with the buckets speculative decoding verifies in, and room for
+# a 600-token grounded prompt: one build shared by test_smollm2 and test_batch_invariance.
+SMOL_OPTS = dict(block_size=16, max_context=640, batch_buckets=(2, 4, 8), weight_dtype="auto")
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     """Google's Gemma 3 270M as llama.cpp's Q4_K_M file, assembled from the

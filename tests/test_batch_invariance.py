@@ -10,7 +10,7 @@ import pytest
 
 from paged_decode.runtime.runner import Row, StepRunner
 
-from .conftest import BUCKETS, make_pool
+from .conftest import BUCKETS, SMOL_OPTS, make_pool
 
 # 16-token blocks and 640 positions: the tiny preset's attention (4 heads x 16 dims) splits a
 # context of 512 positions or more among parallel parts (attention.PARALLEL_MIN_WORK), so
@@ -104,9 +104,8 @@ def test_greedy_speculation_on_smollm2_gives_the_tokens_of_plain_decoding(build,
     from paged_decode.runtime.speculative import SpeculativeConfig
     from paged_decode.runtime.tokenizer import Tokenizer
 
-    opts = dict(block_size=16, max_context=640, batch_buckets=(2, 4, 8), weight_dtype="auto")
-    tokenizer = Tokenizer.from_dir(build(str(smollm_gguf), **opts).weights_dir)
-    artifact, weights = load(str(smollm_gguf), **opts)
+    tokenizer = Tokenizer.from_dir(build(str(smollm_gguf), **SMOL_OPTS).weights_dir)
+    artifact, weights = load(str(smollm_gguf), **SMOL_OPTS)
     prompts = ["Rename the class BlockAllocator to BlockPool in this Python code and return "
                f"the whole file.\n\n```python\n{inspect.getsource(block_allocator)[:1200]}\n```",
                "Rewrite the following text in plain words, keeping every point in the same "

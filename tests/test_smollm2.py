@@ -12,7 +12,7 @@ from paged_decode.runtime.generate import Generator
 from paged_decode.runtime.session import PagedDecodeSession
 from paged_decode.runtime.tokenizer import Tokenizer
 
-from .conftest import SMOL_NATIVE_LOGIT_TOL, make_pool
+from .conftest import SMOL_NATIVE_LOGIT_TOL, SMOL_OPTS, make_pool
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers."]
@@ -24,9 +24,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smol_native(load, build, smollm_gguf):
     """The file's own Q4_1 / Q8_0 blocks (the default)."""
-    opts = {"block_size": 16, "max_context": 256, "weight_dtype": "auto"}
-    prepared = build(str(smollm_gguf), **opts)
-    artifact, weights = load(str(smollm_gguf), **opts)
+    prepared = build(str(smollm_gguf), **SMOL_OPTS)
+    artifact, weights = load(str(smollm_gguf), **SMOL_OPTS)
     return artifact, weights, Tokenizer.from_dir(prepared.weights_dir)
 
 
