@@ -22,8 +22,8 @@ from .artifact import Artifact, WeightPack, load_artifact, load_weights
 from .checks import check_stop_ids, is_int
 from .errors import EngineStoppedError, InputError, QueueFullError
 from .kv_pool import PagedKVCache
-from .sampling import SamplingParams
 from .request import StopStrings
+from .sampling import SamplingParams
 from .scheduler import Request, Scheduler, TokenLogprob
 from .tokenizer import Tokenizer
 

@@ -64,7 +64,6 @@ class Request:
     accepted: int = 0
     text: "StopStrings | None" = None  # its decoded text, when it has stop strings or a reader
 
-
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
