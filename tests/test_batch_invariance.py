@@ -113,7 +113,7 @@ def test_greedy_speculation_on_smollm2_gives_the_tokens_of_plain_decoding(build,
 
     def run(ids, speculative):
         sched = Scheduler(artifact, weights, make_pool(artifact, 64), speculative=speculative)
-        req = sched.add(ids, max_tokens=96)
+        req = sched.add(ids, max_tokens=48)
         while sched.has_work:
             sched.step()
         return req.tokens, sched

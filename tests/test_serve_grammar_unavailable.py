@@ -43,17 +43,20 @@ def _wordpiece_tokenizer():
 
 @pytest.fixture(scope="module")
 def wordpiece(build, llama_ckpt, tmp_path_factory):
-    """The random Llama's weights and config (its compiled artifact is reused) beside a
-    WordPiece tokenizer."""
+    """The random Llama's weights and config beside a WordPiece tokenizer, in a folder named
+    as the Llama's (an artifact's name is its model's folder name and its key): its compiled
+    artifact is reused."""
     from transformers import PreTrainedTokenizerFast
 
     def write(path):
+        (path / llama_ckpt.path.name).mkdir()
         for name in ("config.json", "model.safetensors"):
-            shutil.copy(llama_ckpt.path / name, path / name)
+            shutil.copy(llama_ckpt.path / name, path / llama_ckpt.path.name / name)
         PreTrainedTokenizerFast(tokenizer_object=_wordpiece_tokenizer(), bos_token="<s>",
-                                eos_token="</s>", unk_token="[UNK]").save_pretrained(path)
+                                eos_token="</s>", unk_token="[UNK]").save_pretrained(
+                                    path / llama_ckpt.path.name)
 
-    path = _shared_dir(tmp_path_factory, "llama_wordpiece", write)
+    path = _shared_dir(tmp_path_factory, "llama_wordpiece", write) / llama_ckpt.path.name
     logger = logging.getLogger("paged_decode.serve.app")
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.INFO)
