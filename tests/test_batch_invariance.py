@@ -1,16 +1,19 @@
 """Batch invariance: a sequence's logits are bit-identical whether its token runs alone (the
-B = 1 ``decode``, fused GEMVs) or as any row of any ``batch_decode_<B>`` (the int8 tiles and the
-batched attention), whatever the other rows hold; so greedy speculative decoding, which verifies
-drafted tokens as batch rows, gives exactly the tokens of decoding without it."""
+B = 1 ``decode``, fused GEMVs) or as any row of any ``batch_decode_<B>`` (the int8 tiles, the
+float small-batch GEMVs and matmul tiles, the batched attention), whatever the other rows hold;
+so greedy speculative decoding, which verifies drafted tokens as batch rows, gives exactly the
+tokens of decoding without it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from paged_decode.compile.kernels.cpu import batch, gemv, linear, norm
 from paged_decode.runtime.runner import Row, StepRunner
 
 from .conftest import BUCKETS, SMOL_OPTS, make_pool
+from .test_kernels import _compiled, _t
 
 # 16-token blocks and 640 positions: the tiny preset's attention (4 heads x 16 dims) splits a
 # context of 512 positions or more among parallel parts (attention.PARALLEL_MIN_WORK), so
@@ -18,11 +21,9 @@ from .conftest import BUCKETS, SMOL_OPTS, make_pool
 OPTS = dict(block_size=16, max_context=640, batch_buckets=BUCKETS)
 LONG, SHORT = 600, 20
 # q4_1: rows interleaved by 8 with an offset term and an LM head by rows; q8_0: interleaved
-# rows without an offset and an interleaved head taking int16 activations
-FORMATS = ["q4_1", "q8_0",
-           pytest.param("float32", marks=pytest.mark.xfail(
-               strict=True, reason="the float32 GEMV and the small-batch / matmul kernels "
-               "reduce a row in different orders (docs/design.md: batch invariance)"))]
+# rows without an offset and an interleaved head taking int16 activations; the float formats:
+# small buckets in the small-batch GEMVs, the others in the matmul tiles (kernels.cpu.float_dot)
+FORMATS = ["q4_1", "q8_0", "float32", "float16", "bfloat16"]
 
 
 def _runner(load, fmt: str) -> StepRunner:
@@ -73,7 +74,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch(load, fmt):
         handle.release()
 
 
-@pytest.mark.parametrize("fmt", FORMATS[:2])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_verified_rows_logits_are_the_decode_steps(load, fmt):
     """A row of k tokens of one sequence (a verification) gives, at each position, exactly the
     logits of decoding those tokens one at a time."""
@@ -124,3 +125,66 @@ def test_greedy_speculation_on_smollm2_gives_the_tokens_of_plain_decoding(build,
         spec, sched = run(ids, SpeculativeConfig())
         assert sched.drafted_tokens > 0  # it did verify drafts (how many: by measured costs)
         assert spec == plain
+
+
+def _weights(rng, rows: int, K: int, wdt: str) -> np.ndarray:
+    """A (rows, K) matrix as the kernels take it (bfloat16: its bytes, (rows, 2K) uint8)."""
+    import ml_dtypes
+
+    w = rng.standard_normal((rows, K)).astype(np.float32)
+    if wdt == "bfloat16":
+        return w.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(rows, 2 * K)
+    return w.astype(wdt)
+
+
+def _call(fn, *arrays, shape):
+    out = _t(np.zeros(shape, np.float32))
+    fn(*map(_t, arrays), out)
+    return out.numpy()
+
+
+# K = 100: full 16-lane blocks and a partial one; 42 rows: a matmul tile of 2 weight rows;
+# K = 4200: the float16 GEMV's float16 x, the float32 GEMV's row pairs
+FLOAT_SHAPES = [("float32", 42, 100), ("float16", 42, 100), ("bfloat16", 42, 100),
+                ("float16", 16, 4200), ("float32", 16, 4200)]
+
+
+@pytest.mark.parametrize("wdt,N,K", FLOAT_SHAPES)
+def test_float_kernels_sum_a_row_in_the_gemvs_order(wdt, N, K):
+    """Over float weights the small-batch GEMVs and the matmul tiles (both targets' tiles)
+    give each row exactly the B = 1 GEMV's result (``kernels.cpu.float_dot``)."""
+    rng = np.random.default_rng(2)
+    w = _weights(rng, N, K, wdt)
+    x = rng.standard_normal((8, K)).astype(np.float32)
+    res = rng.standard_normal((8, N)).astype(np.float32)
+    one = _compiled(gemv.gemv, N, K, wdt, "residual")
+    alone = np.concatenate([_call(one, x[i:i + 1], w, res[i:i + 1], shape=(1, N))
+                            for i in range(8)])
+    for B in (3, batch.SMALL_ROWS):
+        got = _call(_compiled(batch.gemv_rows, N, K, wdt, "residual", B), x[:B], w, res[:B],
+                    shape=(B, N))
+        assert np.array_equal(got, alone[:B]), f"small-batch GEMV, B = {B}"
+    for tile in (linear.TILES[True]["linear"], linear.TILES[False]["linear"]):
+        got = _call(_compiled(linear.linear, N, K, wdt, "residual", tile), x, w, res,
+                    shape=(8, N))
+        assert np.array_equal(got, alone), f"matmul tile {tile}"
+
+
+@pytest.mark.parametrize("wdt", ["float32", "float16", "bfloat16"])
+def test_float_swiglu_kernels_sum_a_row_in_the_gemvs_order(wdt):
+    """The SwiGLU GEMV (its fused norm) against the RMSNorm kernel and the batched SwiGLU
+    kernels, row by row, bit for bit."""
+    rng = np.random.default_rng(3)
+    inter, K = 40, 100
+    w = _weights(rng, 2 * inter, K, wdt)
+    x = rng.standard_normal((8, K)).astype(np.float32)
+    g = rng.standard_normal(K).astype(np.float32)
+    one = _compiled(gemv.gemv_swiglu, inter, K, wdt, 1e-5)
+    alone = np.concatenate([_call(one, x[i:i + 1], g, w, shape=(1, inter)) for i in range(8)])
+    xn = _call(_compiled(norm.rmsnorm, K, 1e-5, None), x, g, shape=(8, K))
+    for B in (3, batch.SMALL_ROWS):
+        got = _call(_compiled(batch.gemv_rows_swiglu, inter, K, wdt, B), xn[:B], w,
+                    shape=(B, inter))
+        assert np.array_equal(got, alone[:B]), f"small-batch SwiGLU GEMV, B = {B}"
+    got = _call(_compiled(linear.linear_swiglu, inter, K, wdt), xn, w, shape=(8, inter))
+    assert np.array_equal(got, alone), "SwiGLU matmul tile"

@@ -27,9 +27,11 @@ from ..signatures import (attention_batch_func, attention_options, matmul_func,
                           rope_kv_batch_func)
 from .attention import MAX_PARTS, DecodeSplit, _attend_macro, first_block
 from .fastmath import silu_mul
-from .gemv import PREFETCH_BYTES
+from .gemv import PREFETCH_BYTES, STEP
+from .float_dot import dot_macro
 from .rope_kv import _rope_macro
-from .simd import NTA, lane_slice, prefetch_ahead_macro, scratch_buffer
+from .simd import (NTA, VL, lane_slice, prefetch_ahead_macro, scratch_buffer,
+                   transpose_sums)
 
 
 def _row_table(bt, r, cap: int):
@@ -171,77 +173,108 @@ def paged_attention_batch(Hq: int, Hkv: int, D: int, block_size: int, cap: int, 
 
 # -- small-batch GEMVs ---------------------------------------------------------------------------
 # A batched step of at most SMALL_ROWS rows is a weight stream, like a B = 1 step: these kernels
-# read each weight row once, front to back with the GEMVs' software prefetch, and multiply every
-# 8-lane vector of it into all B rows' accumulators (the matmul tile reads a weight row pair once
-# per pair of rows).  Accumulators: B x KU vectors of 8 lanes, KU = 8 // B: eight independent FMA
-# chains where B divides 8 (B for B = 5-7), within the 16 AVX2 registers with the operands.
+# read each weight row once, front to back with the GEMVs' software prefetch, and sum it against
+# every row of x in ``float_dot``'s order, the B = 1 GEMV's (batch invariance): one accumulator
+# of 16 lanes per row of x, in registers with the operands, ``_pass_rows`` rows a pass.
 SMALL_ROWS = 8
 # ... while the B rows of x fit in a 32 KiB L1D: each weight row sweeps all of them, from L2
 # past that, where the matmul (which reuses a weight tile across token tiles) is faster
 SMALL_ROWS_X_BYTES = 32 << 10
 ROWS_PER_TASK = 16  # weight rows per parallel task (a contiguous run of the matrix)
-RL = 8  # lanes per accumulator
+
+
+def _pass_rows(B: int) -> int:
+    """Rows of x one pass over a weight row sums against: all 8 of a full bucket, else 2 (on
+    SmolLM2's float16 LM head a 4-row pass ran 0.73x the 4-row kernel it replaced, two 2-row
+    passes 1.17x; 8 rows in one pass 1.00x, in four 0.95x)."""
+    return B if B >= SMALL_ROWS else min(B, 2)
 
 
 def _rows_dot_macro(K: int, wdt: str, B: int, locality: int):
     """``dot(x, W, c, out, o)``: out[o, r] = x[r] . W[c] for the B rows (float32), W's row
-    prefetched ahead with hint ``locality`` (the decode GEMV's, ``cpu.prefetch_locality``)."""
-    KU = max(1, RL // B)
-    KO, KT = K // (RL * KU), K % (RL * KU)
+    prefetched ahead with hint ``locality`` (the decode GEMV's, ``cpu.prefetch_locality``);
+    ``_pass_rows`` rows of x a pass over the row (the first streams it from memory, the others
+    re-read it from L1)."""
     fmt = FORMATS[wdt]
-    prefetch = prefetch_ahead_macro(RL * KU, fmt.element_dtype, PREFETCH_BYTES[wdt], locality)
+    step_prefetch = prefetch_ahead_macro(STEP * VL, fmt.element_dtype, PREFETCH_BYTES[wdt],
+                                         locality)
+    P = 1 << (B - 1).bit_length()  # B sums padded to a power of two
+    RG = _pass_rows(B)
+    groups = [(g0, min(RG, B - g0)) for g0 in range(0, B, RG)]
+    assert len(groups) <= 4
+
+    @T.macro
+    def prefetch(W, c, k):
+        flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
+        step_prefetch(flat, c * K + k)
+
+    passes = [dot_macro(K, wdt, n, 1, STEP, prefetch=prefetch if g0 == 0 else None)
+              for g0, n in groups]
+
+    def sums(acc):  # the B sums in lanes 0..B-1 (zero vectors pad the list to P)
+        zero = T.broadcast(T.float32(0), VL)
+        return transpose_sums([acc[r, 0, T.ramp(0, 1, VL)] if r < B else zero
+                               for r in range(P)], VL)
+
+    def group_view(acc, g0):
+        return T.decl_buffer((B - g0, 1, VL), "float32", data=acc.data, elem_offset=g0 * VL)
 
     @T.macro
     def dot(x, W8, c, out, o):
-        W = fmt.elements(W8)
-        acc = T.decl_buffer((B, KU, RL), "float32")
-        for r, u, v in T.grid(B, KU, RL):
-            acc[r, u, v] = T.float32(0)
-        flat = T.decl_buffer((W.shape[0] * W.shape[1],), fmt.element_dtype, data=W.data)
-        for ko in range(KO):
-            prefetch(flat, c * K + ko * KU * RL)
-            for u in T.unroll(KU):
-                for r in T.unroll(B):
-                    for v in T.vectorized(RL):
-                        acc[r, u, v] = acc[r, u, v] + x[r, (ko * KU + u) * RL + v] * fmt.widen(
-                            W[c, (ko * KU + u) * RL + v])
-        for r, t in T.grid(B, KT):
-            acc[r, 0, t % RL] = acc[r, 0, t % RL] + x[r, KO * KU * RL + t] * fmt.widen(
-                W[c, KO * KU * RL + t])
+        acc = T.decl_buffer((B, 1, VL), "float32")
+        passes[0](x, fmt.elements(W8), group_view(acc, 0), 0, c)
+        if len(groups) > 1:
+            passes[1](x, fmt.elements(W8), group_view(acc, groups[1][0]), groups[1][0], c)
+        if len(groups) > 2:
+            passes[2](x, fmt.elements(W8), group_view(acc, groups[2][0]), groups[2][0], c)
+        if len(groups) > 3:
+            passes[3](x, fmt.elements(W8), group_view(acc, groups[3][0]), groups[3][0], c)
+        acc[0, 0, T.ramp(0, 1, P) if P > 1 else 0] = sums(acc)
         for r in range(B):
-            for u in range(1, KU):
-                for v in T.vectorized(RL):
-                    acc[r, 0, v] = acc[r, 0, v] + acc[r, u, v]
-            for v in T.vectorized(4):
-                acc[r, 0, v] = acc[r, 0, v] + acc[r, 0, v + 4]
-            out[o, r] = (acc[r, 0, 0] + acc[r, 0, 1]) + (acc[r, 0, 2] + acc[r, 0, 3])
+            out[o, r] = acc[0, 0, r]
 
     return dot
+
+
+def _task_rows(N: int, B: int, wdt: str, K: int, locality: int):
+    """``rows(x, W, w0, a0, out, finish, *args)``: out[i, :] = the B dot products of weight row
+    ``w0 + i`` for the ``ROWS_PER_TASK`` outputs ``a0 + i`` below N, then ``finish(out, i,
+    *args)`` for each."""
+    dot = _rows_dot_macro(K, wdt, B, locality)
+
+    @T.macro
+    def rows(x, W, w0, a0, out, finish, *args):
+        for i in range(ROWS_PER_TASK):
+            if a0 + i < N:
+                dot(x, W, w0 + i, out, i)
+                finish(out, i, *args)
+
+    return rows
 
 
 @cached
 def gemv_rows(N: int, K: int, wdt: str, epilogue: str, B: int, locality: int = NTA):
     """y = x @ W.T (+ bias | + res) for B rows (B <= ``SMALL_ROWS``), each weight row read once."""
     assert epilogue in EPILOGUES and B <= SMALL_ROWS
-    dot = _rows_dot_macro(K, wdt, B, locality)
+    rows = _task_rows(N, B, wdt, K, locality)
     tasks = -(-N // ROWS_PER_TASK)
+
+    @T.macro
+    def store(out, i, y, bias, res, row0):
+        for r in range(B):
+            if epilogue == "bias":
+                y[r, row0 + i] = out[i, r] + bias[row0 + i]
+            elif epilogue == "residual":
+                y[r, row0 + i] = out[i, r] + res[r, row0 + i]
+            else:
+                y[r, row0 + i] = out[i, r]
 
     @T.macro
     def body(x, W, y, bias, res, n):
         for task in T.parallel(tasks):
-            out = T.decl_buffer((1, B), "float32")
-            for i in range(ROWS_PER_TASK):
-                if task * ROWS_PER_TASK + i < N:
-                    dot(x, W, task * ROWS_PER_TASK + i, out, 0)
-                    for r in range(B):
-                        if epilogue == "bias":
-                            y[r, task * ROWS_PER_TASK + i] = out[0, r] + bias[
-                                task * ROWS_PER_TASK + i]
-                        elif epilogue == "residual":
-                            y[r, task * ROWS_PER_TASK + i] = out[0, r] + res[
-                                r, task * ROWS_PER_TASK + i]
-                        else:
-                            y[r, task * ROWS_PER_TASK + i] = out[0, r]
+            out = T.decl_buffer((ROWS_PER_TASK, B), "float32")
+            rows(x, W, task * ROWS_PER_TASK, task * ROWS_PER_TASK, out, store, y, bias, res,
+                 task * ROWS_PER_TASK)
 
     w_shape, w_dtype = FORMATS[wdt].storage(N, K)
     func = matmul_func(body, N, K, w_dtype, epilogue, B, w_shape)
@@ -254,10 +287,19 @@ def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int, locality: int = NTA):
     alternating runs (``params.gate_up_row``), each row read once.  A task is one run: its gate
     rows, then its up rows, W in memory order (as the quantized SwiGLU GEMV's, docs/design.md)."""
     assert B <= SMALL_ROWS and ROWS_PER_TASK == GATE_UP_ROWS
-    dot = _rows_dot_macro(K, wdt, B, locality)
+    rows = _task_rows(I, B, wdt, K, locality)
     gate_row, up_row = gate_up_rows(I)
     tasks = -(-I // ROWS_PER_TASK)
     w_shape, w_dtype = FORMATS[wdt].storage(2 * I, K)
+
+    @T.macro
+    def keep(out, i):  # the gate rows stay in ``gate`` until the up rows come
+        T.evaluate(0)
+
+    @T.macro
+    def store(up, i, gate, act, a0):
+        for r in range(B):
+            act[r, a0 + i] = silu_mul(gate[i, r], up[i, r])
 
     @T.prim_func(s_tir=True)
     def func(x: T.Buffer((B, K), "float32"), W: T.Buffer(w_shape, w_dtype),
@@ -266,13 +308,8 @@ def gemv_rows_swiglu(I: int, K: int, wdt: str, B: int, locality: int = NTA):
             for task in T.parallel(tasks):
                 gate = T.decl_buffer((ROWS_PER_TASK, B), "float32")
                 up = T.decl_buffer((ROWS_PER_TASK, B), "float32")
-                for i in range(ROWS_PER_TASK):
-                    if task * ROWS_PER_TASK + i < I:
-                        dot(x, W, gate_row(task * ROWS_PER_TASK + i), gate, i)
-                for i in range(ROWS_PER_TASK):
-                    if task * ROWS_PER_TASK + i < I:
-                        dot(x, W, up_row(task * ROWS_PER_TASK + i), up, i)
-                        for r in range(B):
-                            act[r, task * ROWS_PER_TASK + i] = silu_mul(gate[i, r], up[i, r])
+                rows(x, W, gate_row(task * ROWS_PER_TASK), task * ROWS_PER_TASK, gate, keep)
+                rows(x, W, up_row(task * ROWS_PER_TASK), task * ROWS_PER_TASK, up, store, gate,
+                     act, task * ROWS_PER_TASK)
 
     return finalize(func, f"gemv_rows{B}_swiglu_{I}x{K}_{dtype_tag(wdt)}")

@@ -5,8 +5,9 @@ computed once per call into a K-element scratch before the row loop; see ``x_dty
 that scratch, or a copy of x, is float16, and ``row_pairs`` for when two rows share each pass
 over x), with a bias or a residual epilogue, or with SwiGLU over gate/up rows.  Rows are
 processed in units of ``RG`` rows (SwiGLU: ``SWIGLU_UNIT_TILES`` tiles of RG act rows, each
-tile's gate rows then its up rows), each row front to back with ``KU`` independent
-accumulators: one sequential stream per core is what the hardware prefetcher follows best.
+tile's gate rows then its up rows), each row front to back in ``float_dot``'s order (one
+chain of VL lanes, the batched kernels' too, so a row sums alike in every kernel): one
+sequential stream per core is what the hardware prefetcher follows best.
 Units are shared out by ``claimed_units``: each parallel lane owns a contiguous run of them, and
 the last lane a thread runs then claims the units other threads have not reached, from the far
 end (see there).  A row leaves its 16 partial sums in a ``RG``-row tile; the tile is reduced and its epilogue (bias,
@@ -32,15 +33,15 @@ from ...params import GATE_UP_ROWS
 from ..common import cached, dtype_tag, finalize, gate_up_rows
 from ..signatures import gemv_func
 from .fastmath import silu_mul
+from .float_dot import X_L1_BYTES, dot_macro, x_dtype
 from .simd import (NTA, VL, claimed_units, lane_slice, lane_sum_macro, prefetch_ahead_macro,
                    scratch_buffer)
 
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
-KU = 4  # independent accumulators along K (hides the FMA latency)
+STEP = 8  # VL-blocks per unrolled step of a row (and per software prefetch)
 SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contiguous W rows
 
 
-X_L1_BYTES = 16 << 10  # input-vector bytes kept in float32 (half of a 32 KiB L1D)
 # Each row step also prefetches the weights this many bytes ahead as data read once
 # (``prefetchnta``), on top of the hardware prefetcher; distances measured in docs/design.md.
 PREFETCH_BYTES = {"float32": 1536, "float16": 6144, "bfloat16": 6144}
@@ -50,9 +51,8 @@ SWIGLU_UNIT_ROWS = RG * SWIGLU_UNIT_TILES  # act rows per SwiGLU unit
 
 def _macros(K: int, eps: float, wdt: str, locality: int):
     """Macros over W as its format's ``elements`` (one element a weight, ``widen``-ed)."""
-    fmt = FORMATS[wdt]
-    KO, KT = K // (VL * KU), K % (VL * KU)
-    step_prefetch = prefetch_ahead_macro(KU * VL, fmt.element_dtype, PREFETCH_BYTES[wdt],
+    fmt, xdt = FORMATS[wdt], x_dtype(K, wdt)
+    step_prefetch = prefetch_ahead_macro(STEP * VL, fmt.element_dtype, PREFETCH_BYTES[wdt],
                                          locality)
     lane_sum = lane_sum_macro(VL)
 
@@ -76,70 +76,38 @@ def _macros(K: int, eps: float, wdt: str, locality: int):
             xn[0, k] = T.Cast(xn.dtype, x[0, k] * g[k] * st[0])
 
     @T.macro
-    def fma(acc, u, v, xs, W, c, k):
-        """acc[u, v] += xs[k] * W[c, k], both read as float32."""
-        acc[u, v] = acc[u, v] + T.Cast("float32", xs[0, k]) * fmt.widen(W[c, k])
-
-    @T.macro
-    def clear(acc):
-        for u, v in T.grid(KU, VL):
-            acc[u, v] = T.float32(0)
-
-    @T.macro
-    def fold(acc, R, r):
-        """R[r, :] = the KU accumulators added lane by lane."""
-        for v in T.vectorized(VL):
-            R[r, v] = (acc[0, v] + acc[1, v]) + (acc[2, v] + acc[3, v])
-
-    @T.macro
     def prefetch(W, c, k):
-        """Prefetch the KU * VL weights ``PREFETCH_BYTES`` past W[c, k] (rows are contiguous, so
+        """Prefetch the STEP * VL weights ``PREFETCH_BYTES`` past W[c, k] (rows are contiguous, so
         past the row's end is the next row's start; past W's end is harmless)."""
         flat = T.decl_buffer((W.shape[0] * K,), W.dtype, data=W.data)
         step_prefetch(flat, c * K + k)
 
-    @T.macro
-    def dot_row(xs, W, acc, R, r, c):
-        """R[r, :] = VL partial sums of xs . W[c, :], reading the row front to back."""
-        clear(acc)
-        for ko in range(KO):
-            prefetch(W, c, ko * KU * VL)
-            for u in T.unroll(KU):
-                for v in T.vectorized(VL):
-                    fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
-        for kt in range(KT // VL):
-            for v in T.vectorized(VL):
-                fma(acc, 0, v, xs, W, c, KO * KU * VL + kt * VL + v)
-        if KT % VL != 0:
-            for v in range(KT % VL):
-                fma(acc, 1, v, xs, W, c, K - KT % VL + v)
-        fold(acc, R, r)
+    one = dot_macro(K, wdt, 1, 1, STEP, xdt, prefetch)
+    two = dot_macro(K, wdt, 1, 2, STEP, xdt)
 
     @T.macro
-    def dot_row_pair(xs, W, acc, acc2, R, r, c):
+    def dot_row(xs, W, acc, R, r, c):
+        """R[r, :] = the VL lane sums of xs . W[c, :], reading the row front to back."""
+        one(xs, W, acc, 0, c)
+        for v in T.vectorized(VL):
+            R[r, v] = acc[0, 0, v]
+
+    @T.macro
+    def dot_row_pair(xs, W, acc, R, r, c):
         """R[r, :], R[r + 1, :] for rows c and c + 1, each x vector loaded once for both."""
-        clear(acc)
-        clear(acc2)
-        for ko in range(KO):
-            for u in T.unroll(KU):
-                for v in T.vectorized(VL):
-                    fma(acc, u, v, xs, W, c, (ko * KU + u) * VL + v)
-                    fma(acc2, u, v, xs, W, c + 1, (ko * KU + u) * VL + v)
-        for kt in range(KT):
-            fma(acc, 0, kt % VL, xs, W, c, KO * KU * VL + kt)
-            fma(acc2, 0, kt % VL, xs, W, c + 1, KO * KU * VL + kt)
-        fold(acc, R, r)
-        fold(acc2, R, r + 1)
+        two(xs, W, acc, 0, c)
+        for v in T.vectorized(VL):
+            R[r, v] = acc[0, 0, v]
+            R[r + 1, v] = acc[0, 1, v]
 
     @T.macro
     def tile_rows(xs, W, acc, R, S, s0, row0, n_valid, pairs=False):
         """S[s0 + r] = xs . W[row0 + r, :] for the first ``n_valid`` rows of an RG-row tile, 0
         after; with ``pairs``, two rows per pass over x."""
         if pairs:
-            acc2 = scratch_buffer((KU, VL))
             for r2 in range(RG // 2):
                 if 2 * r2 + 1 < n_valid:
-                    dot_row_pair(xs, W, acc, acc2, R, 2 * r2, row0 + 2 * r2)
+                    dot_row_pair(xs, W, acc, R, 2 * r2, row0 + 2 * r2)
                 else:
                     for v in T.vectorized(VL):
                         R[2 * r2, v] = T.float32(0)
@@ -158,13 +126,6 @@ def _macros(K: int, eps: float, wdt: str, locality: int):
             S[s0 + r] = R[r, 0]
 
     return normalize, tile_rows
-
-
-def x_dtype(K: int, wdt: str) -> str:
-    """The dtype the GEMV reads its input vector in: float16 for float16 weights once a float32
-    x would crowd the streamed rows out of L1 (K > 4096; x is re-read for every row), as
-    llama.cpp and HF's float16 path do; float32 otherwise (docs/design.md)."""
-    return "float16" if wdt == "float16" and K * 4 > X_L1_BYTES else "float32"
 
 
 def row_pairs(K: int, wdt: str) -> bool:
@@ -196,7 +157,7 @@ def gemv(N: int, K: int, wdt: str, epilogue: str = "none", norm_eps: float | Non
     @T.macro
     def unit(lane, u, R_all, xs, W, y, bias, res):
         """Rows [u * RG, u * RG + RG) below N, on ``lane``'s slice of the reduction scratch."""
-        acc = scratch_buffer((KU, VL))
+        acc = scratch_buffer((1, 2, VL))
         S = scratch_buffer((RG,))
         R = lane_slice(R_all, lane, (RG, VL))
         tile_rows(xs, W, acc, R, S, 0, u * RG, T.min(RG, N - u * RG), pairs)
@@ -256,7 +217,7 @@ def gemv_swiglu(I: int, K: int, wdt: str, norm_eps: float, locality: int = NTA):
     def unit(lane, u, R_all, xn, W, act):
         """act rows [u * UR, u * UR + UR) below I: per RG-row tile its gate rows, then its up
         rows (adjacent in W, so the unit is one contiguous run of W), then silu(gate) * up."""
-        acc = scratch_buffer((KU, VL))
+        acc = scratch_buffer((1, 2, VL))
         gate = scratch_buffer((UR,))
         up = scratch_buffer((UR,))
         R = lane_slice(R_all, lane, (RG, VL))

@@ -27,6 +27,7 @@ from ...params import GATE_UP_ROWS
 from ..common import EPILOGUES, cached, dtype_tag, finalize, gate_up_rows, pick_tile, token_dim
 from ..signatures import matmul_func, swiglu_matmul_func
 from .fastmath import silu_mul
+from .float_dot import dot_macro
 from .simd import CACHE_LINE, L2, VL, prefetch_hint, scratch_buffer, transpose_sums
 
 
@@ -64,26 +65,16 @@ def _sum(acc, r, c, TN):
 
 def _reduce_macro(K, wdt, TM, TN):
     """acc[0, 0, r * TN + c] = sum over k of x[m0 + r, k] * W[c0 + c, k] (``_sum``): TM x TN
-    accumulators of VL lanes, tail k scalar, then one transposing reduction of the whole tile
+    accumulators of VL lanes summed in ``float_dot``'s order (the GEMVs'), then one transposing
+    reduction of the whole tile, which sums each output's lanes as the GEMVs' lane sum does
     (per-output halving sums went through memory: 12 % of a 768-long row's tile pass).  W is
     its format's ``elements``."""
-    widen = FORMATS[wdt].widen
-    KO, KT = K // VL, K % VL
+    dot = dot_macro(K, wdt, TM, TN)
     lanes = T.ramp(0, 1, TM * TN) if TM * TN > 1 else 0
 
     @T.macro
     def accumulate(x, W, acc, m0, c0):
-        for r, c, v in T.grid(TM, TN, VL):
-            acc[r, c, v] = T.float32(0)
-        for ko in range(KO):
-            for r in T.unroll(TM):  # unrolled: acc stays in registers
-                for c in T.unroll(TN):
-                    for v in T.vectorized(VL):
-                        acc[r, c, v] = acc[r, c, v] + x[m0 + r, ko * VL + v] * widen(
-                            W[c0 + c, ko * VL + v])
-        for r, c, v in T.grid(TM, TN, KT):
-            acc[r, c, v] = acc[r, c, v] + x[m0 + r, KO * VL + v] * widen(
-                W[c0 + c, KO * VL + v])
+        dot(x, W, acc, m0, c0)
         # the tile's sums into lanes r * TN + c of acc[0, 0, :] (``_sum``), in registers
         acc[0, 0, lanes] = transpose_sums(
             [acc[r, c, T.ramp(0, 1, VL)] for r in range(TM) for c in range(TN)], VL)
