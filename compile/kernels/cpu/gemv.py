@@ -38,7 +38,7 @@ from .simd import (NTA, VL, claimed_units, lane_slice, lane_sum_macro, prefetch_
                    scratch_buffer)
 
 PARALLEL_MIN_ELEMS = 1 << 16  # below this many weights a GEMV runs on one core
-STEP = 8  # VL-blocks per unrolled step of a row (and per software prefetch)
+STEP = 4  # VL-blocks per unrolled step of a row (and per software prefetch)
 SWIGLU_UNIT_TILES = 8  # RG-row tiles per SwiGLU unit: 128 act rows, 256 contiguous W rows
 
 
