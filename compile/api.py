@@ -115,8 +115,24 @@ def ensure_artifact(spec: BuildSpec, target: TargetSpec, root: Path, policy: str
     hint = compile_command(model_arg, options, root)
     if spec.batch_buckets != default_buckets(target.kind):
         hint += f" --batch-buckets {buckets_arg(spec.batch_buckets)}"
-    return cache.locked_build(root, name, lambda d: build_into(spec, target, d, model_arg, stage),
-                              _manifest_complete, policy, hint, **lock)
+    return cache.locked_build(
+        root, name, lambda d: build_into(spec, target, d, model_arg, stage,
+                                         twin=_twin(root, name, policy)),
+        _manifest_complete, policy, hint, **lock)
+
+
+def _twin(root: Path, name: str, policy: str) -> Path | None:
+    """A complete artifact under ``root`` with ``name``'s key under another model name (a
+    fine-tune of the same base, a model's HF folder and its GGUF): the key leaves the name out,
+    so its library is this one's.  None under policy ``redo``, which compiles."""
+    if policy == "redo":
+        return None
+    suffix = name[len(name.rsplit("-", 2)[0]):]  # "-<target kind>-<digest>"
+    for entry in sorted(root.glob(f"*{suffix}")):
+        if (entry.name != name and entry.name.endswith(suffix) and _manifest_complete(entry)
+                and read_manifest(entry)[0].digest == suffix.rsplit("-", 1)[1]):
+            return entry
+    return None
 
 
 def _policy_arg(spec: BuildSpec, model_arg: str | None = None) -> str:

@@ -13,6 +13,8 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -237,18 +239,27 @@ def compile_library(spec: BuildSpec, target: TargetSpec, manifest: dict, out_dir
 
 
 def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path, model_arg: str = "",
-               stage: Callable[[int, int, str], None] | None = None) -> dict:
+               stage: Callable[[int, int, str], None] | None = None,
+               twin: Path | None = None) -> dict:
     """Compile into ``out_dir`` and write manifest.json (last, so its presence means complete).
     ``model_arg`` (what ``--model`` takes to name the model again) goes into the manifest only,
-    for the rebuild hints: it is not part of the key.  ``stage``: see :func:`compile_library`."""
+    for the rebuild hints: it is not part of the key.  ``stage``: see :func:`compile_library`.
+    ``twin``: a complete artifact of the same key under another model name, whose library is
+    this one's (the name is not in the key): linked or copied instead of compiled."""
     manifest = manifest_for(spec, target)
     t0 = time.perf_counter()
-    log.info("compiling %s for %s (key %s)", spec.config.name, target.kind, manifest["digest"])
-    token = _STAGE.set(stage)
-    try:
-        lib_path = compile_library(spec, target, manifest, out_dir)
-    finally:
-        _STAGE.reset(token)
+    lib_path = _library_of(twin, out_dir, target) if twin is not None else None
+    if lib_path is not None:
+        log.info("%s for %s (key %s): the library of %s, same key", spec.config.name,
+                 target.kind, manifest["digest"], twin.name)
+    else:
+        log.info("compiling %s for %s (key %s)", spec.config.name, target.kind,
+                 manifest["digest"])
+        token = _STAGE.set(stage)
+        try:
+            lib_path = compile_library(spec, target, manifest, out_dir)
+        finally:
+            _STAGE.reset(token)
     manifest["compile_seconds"] = round(time.perf_counter() - t0, 3)
     if model_arg:
         manifest["model_arg"] = model_arg
@@ -260,3 +271,18 @@ def build_into(spec: BuildSpec, target: TargetSpec, out_dir: Path, model_arg: st
         raise CompileError(f"could not write the manifest into {out_dir} ({e}); free disk space "
                            "or choose another --artifacts root") from e
     return manifest
+
+
+def _library_of(twin: Path, out_dir: Path, target: TargetSpec) -> Path | None:
+    """``twin``'s library in ``out_dir`` (a hard link where the file system allows, else a
+    copy), or None if it cannot be had (gone meanwhile, no room): then it is compiled."""
+    src, dst = twin / target.library_name, out_dir / target.library_name
+    try:
+        os.link(src, dst)
+    except OSError:
+        try:
+            shutil.copyfile(src, dst)
+        except OSError:
+            dst.unlink(missing_ok=True)
+            return None
+    return dst

@@ -15,7 +15,7 @@ Signatures (B = 1, ``num_blocks`` symbolic, ``max_blocks_cap`` fixed, ``n`` symb
     (token_ids (B,) int32, block_tables (B, cap) int32, context_lens (B,) int64,
      write_offs (B,) int64, kv_pools, params) -> logits (B, vocab) float32
     -- one new token per row, each row its own sequence; context_len 0 marks a padding row
-  _metadata() -> the manifest JSON string
+  _metadata() -> the manifest JSON string, less its disk-only fields (the model name among them)
 The pools are written by ``call_tir_inplace``; attention reads the returned pool, which keeps
 each write alive through dead-code elimination.
 """
@@ -27,6 +27,8 @@ import json
 
 import tvm
 from tvm import relax, tirx
+
+from paged_decode.runtime.manifest import DISK_ONLY
 
 from .config import ModelConfig
 from .formats import FORMATS
@@ -354,5 +356,6 @@ def build_module(spec: BuildSpec, manifest: dict, kernels: KernelSet | None = No
     for rows in spec.batch_buckets:
         _emit_batch_decode(bb, spec, funcs, kernels, rows)
     with bb.function("_metadata", []):
-        bb.emit_func_output(tvm.ir.StringImm(json.dumps(manifest, sort_keys=True)))
+        embedded = {k: v for k, v in manifest.items() if k not in DISK_ONLY}
+        bb.emit_func_output(tvm.ir.StringImm(json.dumps(embedded, sort_keys=True)))
     return bb.get()

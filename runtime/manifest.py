@@ -111,7 +111,9 @@ def weight_policy(weight_dtype, weight_formats, model: str | None = None) -> str
     return "auto"
 
 
-DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg")
+# fields the manifest on disk holds and the library's ``_metadata()`` does not: the model's name
+# is not in the key either, so one library serves every model folder of its key
+DISK_ONLY = ("compile_seconds", "library_sha256", "library_bytes", "model_arg", "name")
 _OPTIONAL = {"model_arg": ("a string", lambda v: isinstance(v, str))}
 
 

@@ -9,9 +9,11 @@ import shutil
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from paged_decode.compile import api, build
+from paged_decode.compile import build as build_module
 from paged_decode.compile.build import key_fields, make_spec, manifest_for
 from paged_decode.compile.config import preset
 from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
@@ -120,6 +122,44 @@ def test_second_compile_of_a_key_compiles_nothing(tmp_path, monkeypatch):
     assert len(count) == 2
 
 
+def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ckpt, tmp_path,
+                                                                monkeypatch):
+    """A fine-tune of a built model (the same config, other weights, another folder name) gets
+    the built library (no compile), its own manifest name, and computes with its own weights."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .test_runtime_hf import hf_reference, run_ours
+    from .conftest import LOGIT_TOL
+
+    opts = dict(block_size=4, max_context=64)
+    base = build(llama_ckpt.path, **opts)
+    model = LlamaForCausalLM.from_pretrained(llama_ckpt.path)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(2.0)
+    tuned = tmp_path / "llama-tuned"
+    model.save_pretrained(tuned)
+    count = []
+    real = build_module.compile_library
+    monkeypatch.setattr(build_module, "compile_library", lambda *a: count.append(1) or real(*a))
+    twin = api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(), **opts)
+    assert count == [] and not twin.cache_hit and twin.artifact_dir != base.artifact_dir
+    mine, theirs = (json.loads((p / "manifest.json").read_text())
+                    for p in (twin.artifact_dir, base.artifact_dir))
+    assert (mine["name"], mine["library_sha256"]) == ("llama-tuned", theirs["library_sha256"])
+    assert twin.artifact_dir.name.startswith("llama-tuned-")
+    assert api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(),
+                       **opts).cache_hit and count == []
+    artifact = load_artifact(twin.artifact_dir)
+    logits, tokens = run_ours(artifact, artifact_module.load_weights(twin.weights_dir, artifact),
+                              [3, 17, 99, 41, 5], 4)
+    for ours, ref in zip(logits, hf_reference(tuned, [3, 17, 99, 41, 5], tokens)):
+        np.testing.assert_allclose(ours, ref, atol=LOGIT_TOL["float32"], rtol=0)
+    api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(), force=True,
+                **opts)
+    assert count == [1]  # redo compiles
+
+
 def test_weight_pack_of_an_older_format_is_converted_again(tmp_path):
     source = resolve_model("tiny")
     path, hit = api.ensure_weights(source, "float32", tmp_path, "on")
@@ -167,7 +207,7 @@ def test_metadata_returns_the_manifest(build):
     assert embedded["key"] == on_disk["key"]
     assert {k: on_disk[k] for k in embedded} == embedded  # disk adds hash, timing, --model
     assert set(on_disk) - set(embedded) == {"compile_seconds", "library_sha256", "library_bytes",
-                                            "model_arg"}
+                                            "model_arg", "name"}  # the name: not in the key
     assert on_disk["model_arg"] == "tiny"
 
 
