@@ -15,6 +15,8 @@ import numbers
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from paged_decode.runtime.errors import ConfigError
 
 from . import arch as families
@@ -150,6 +152,18 @@ class ModelConfig:
             if not isinstance(getattr(self, field), bool):
                 raise ConfigError(f"{field}={short_repr(getattr(self, field))}: must be a bool")
         self._check_layer_features()
+        self._as_float32()
+
+    def _as_float32(self) -> None:
+        """The values the kernels take only as float32 constants, as those float32 values:
+        config.json's ``1e-06`` and its GGUF's float32 ``9.99999997e-07`` (a scale equal to
+        ``1 / sqrt(head_dim)`` and the default 0) are one model, one key, one library."""
+        eps = float(np.float32(self.rms_norm_eps))
+        scale = float(np.float32(self.attn_scale))
+        if scale == float(np.float32(1.0 / math.sqrt(self.head_dim))):
+            scale = 0.0
+        object.__setattr__(self, "rms_norm_eps", eps)
+        object.__setattr__(self, "attn_scale", scale)
 
     def _check_layer_features(self) -> None:
         if self.gate_act not in families.GATE_ACTIVATIONS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 
 from paged_decode.compile import config
@@ -74,7 +75,7 @@ def test_qwen2_bias_and_rope_parameters():
     cfg = from_hf_dict(QWEN2, name="qwen2")
     assert (cfg.arch, cfg.attention_bias, cfg.tie_word_embeddings) == ("qwen2", True, True)
     assert (cfg.n_q_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta) == (14, 2, 64, 1e6)
-    assert cfg.rms_norm_eps == 1e-6
+    assert cfg.rms_norm_eps == np.float32(1e-6)  # as the kernels take it (one key with the GGUF)
     assert cfg.n_params() == 494032768  # Qwen2.5-0.5B's published parameter count
 
 
@@ -365,7 +366,8 @@ def test_defaults_are_transformers_defaults():
         ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // 32
         cfg = from_hf_dict(raw, name="defaults")
         assert (cfg.rms_norm_eps, cfg.max_position_embeddings, cfg.n_kv_heads) == (
-            ref.rms_norm_eps, ref.max_position_embeddings, ref.num_key_value_heads), base
+            np.float32(ref.rms_norm_eps), ref.max_position_embeddings,
+            ref.num_key_value_heads), base
         assert cfg.head_dim == ref_head_dim, base
 
 
@@ -506,3 +508,16 @@ def test_config_values_are_exact_types():
         ModelConfig(**dict(cfg.__dict__, rope_theta="1e4"))
     with pytest.raises(ConfigError, match="rope_scaling.factor=0"):
         RopeScaling(0, 1.0, 4.0, 8192)
+
+
+def test_values_the_kernels_take_as_float32_make_one_key():
+    """config.json's eps 1e-06 and its GGUF's float32 9.99999997e-07, an explicit scale of
+    1 / sqrt(head_dim) and the default: the same kernels, so the same key (one compile)."""
+    import dataclasses
+
+    hf = from_hf_dict(QWEN2, name="qwen2")
+    gguf = dataclasses.replace(hf, rms_norm_eps=float(np.float32(1e-6)),
+                               attn_scale=1.0 / 64 ** 0.5)
+    assert gguf.shape_dict() == hf.shape_dict()
+    assert dataclasses.replace(hf, rms_norm_eps=2e-6).shape_dict() != hf.shape_dict()
+    assert dataclasses.replace(hf, attn_scale=0.1).shape_dict() != hf.shape_dict()

@@ -83,7 +83,7 @@ def assert_valid(cfg: ModelConfig, raw: dict) -> None:
         assert raw["tie_word_embeddings"] is cfg.tie_word_embeddings
     if "rms_norm_eps" in raw:
         assert type(raw["rms_norm_eps"]) in (int, float)
-        assert float(raw["rms_norm_eps"]) == cfg.rms_norm_eps
+        assert np.float32(raw["rms_norm_eps"]) == cfg.rms_norm_eps
     if raw.get("quantization_config") is not None:
         raise AssertionError("a quantized checkpoint was accepted")
     json.dumps(cfg.shape_dict())

@@ -198,7 +198,7 @@ def test_configs_read_the_gemma_features(gemma2_ckpt, gemma3_ckpt, gemma3_gguf_c
     g2 = resolve_model(str(gemma2_ckpt.path)).config
     assert (g2.gate_act, g2.post_norms, g2.embed_scale, g2.attn_scale, g2.attn_softcap,
             g2.final_softcap, g2.sliding_window, g2.sliding_layers) == (
-        "gelu_tanh", True, 8.0, 24 ** -0.5, 0.25, 0.5, WINDOW, (0, 2))
+        "gelu_tanh", True, 8.0, np.float32(24 ** -0.5), 0.25, 0.5, WINDOW, (0, 2))
     g3 = resolve_model(str(gemma3_ckpt.path)).config
     assert (g3.qk_norm, g3.rope_theta, g3.rope_local_theta, g3.rope_linear_factor,
             g3.sliding_layers, g3.final_softcap, g3.attn_softcap) == (
