@@ -74,10 +74,40 @@ def _stream_rows(plain, spec, rounds, say, only=None) -> list[dict]:
                    identical=(all(a["tokens"] == b["tokens"] for a, b in zip(off, on))
                               if task["temperature"] == 0 else None))
         row["speedup"] = row["on_tps"] / row["off_tps"] if row["off_tps"] else None
+        if task["temperature"] == 0:
+            row["ceiling"] = ceiling(ids, off[0]["tokens"], spec.scheduler.speculative)
+        row["verify_cost"] = verify_costs(spec.scheduler.runner)
         say(f"  {task['name']}: {row['off_tps']:.1f} -> {row['on_tps']:.1f} tokens/s "
-            f"({row['speedup']:.2f}x), acceptance {row['acceptance']:.0%}")
+            f"({row['speedup']:.2f}x), acceptance {row['acceptance']:.0%}"
+            + (f", ceiling {row['ceiling']:.2f}x" if "ceiling" in row else ""))
         out.append(row)
     return out
+
+
+def ceiling(prompt: list[int], tokens: list[int], config) -> float:
+    """The speed-up the drafter would give on this greedy output if a verification cost what a
+    decode does: tokens over the steps it takes when every step verifies the drafter's whole
+    proposal (``config.draft_tokens`` at most) and keeps its agreeing prefix plus one token.
+    What the drafter finds bounds any verification kernel."""
+    from paged_decode.runtime.speculative import NgramDrafter
+
+    if config.method != "ngram" or not tokens:
+        return float("nan")
+    drafter, i, steps = NgramDrafter(config), 0, 0
+    while i < len(tokens):
+        proposal = drafter.propose(prompt + tokens[:i], config.draft_tokens)
+        agree = 0
+        while (agree < len(proposal) and i + agree < len(tokens)
+               and proposal[agree] == tokens[i + agree]):
+            agree += 1
+        i, steps = i + agree + 1, steps + 1
+    return len(tokens) / steps
+
+
+def verify_costs(runner) -> dict[int, float]:
+    """A call's mean time per plan (token rows), over the decode's: what a verification costs."""
+    one = runner.seconds.get(1)
+    return {rows: s / one for rows, s in sorted(runner.seconds.items()) if rows > 1 and one}
 
 
 def _batched(prepared, speculative, say) -> dict:
@@ -168,13 +198,20 @@ def markdown(runs: list[dict]) -> list[str]:
         lines += ["", f"### Speculative decoding (prompt lookup), {run['model']}", "",
                   f"One stream, greedy unless said, {run['new_tokens']} new tokens at most, "
                   f"median of {run['rounds']} paired rounds; decode tokens / s.", "",
-                  "| task | prompt tokens | off | on | speedup | acceptance | identical |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| task | prompt tokens | off | on | speedup | acceptance | identical | "
+                  "ceiling |", "|---|---|---|---|---|---|---|---|"]
         for r in run["streams"]:
             same = {True: "yes", False: "NO", None: "(sampled)"}[r["identical"]]
+            top = f"{r['ceiling']:.2f}x" if r.get("ceiling") is not None else "-"
             lines.append(f"| {r['task']} | {r['prompt_tokens']} | {r['off_tps']:.1f} | "
                          f"{r['on_tps']:.1f} | {r['speedup']:.2f}x | {r['acceptance']:.0%} | "
-                         f"{same} |")
+                         f"{same} | {top} |")
+        costs = run["streams"][-1].get("verify_cost") if run["streams"] else None
+        lines += ["", "Ceiling: the speed-up if a verification cost one decode (the drafter's "
+                  "proposals on the greedy output, every one verified whole)."]
+        if costs:
+            lines.append("A call over B token rows costs " + ", ".join(
+                f"{c:.2f}x (B = {b})" for b, c in costs.items()) + " a decode.")
         b = run["batched"]
         lines += ["", f"{STREAMS} streams at once (batching engine): {b['off']:.1f} tokens/s "
                   f"without, {b['on']:.1f} with ({b['ratio']:.2f}x)."]

@@ -225,3 +225,16 @@ def test_metrics_count_drafted_and_accepted_tokens(build):
     for key in ("drafted", "accepted"):
         want = f"paged_decode_speculative_{key}_tokens_total {float(stats[key + '_tokens'])}"
         assert want in text
+
+
+def test_the_benchmarks_ceiling_counts_the_steps_of_whole_verified_proposals():
+    """With free verification: a text copied from the prompt takes one step for the token no
+    n-gram predicts and one for the rest; text the prompt never holds takes a step a token."""
+    from paged_decode.bench.speculative import ceiling
+
+    config = SpeculativeConfig()
+    assert ceiling([1, 2, 3, 4, 5, 9], [1, 2, 3, 4, 5], config) == 5 / 2
+    assert ceiling([1, 2, 3], [7, 8, 9], config) == 1.0
+    # a proposal is cut at draft_tokens: 12 copied tokens take 1 + ceil(11 / 8) steps
+    prompt = list(range(100, 112)) + [5]
+    assert ceiling(prompt, list(range(100, 112)), config) == 12 / 3
