@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -91,6 +92,16 @@ def llama_cpp_server(gguf: Path, port: int, out: Path, n_ctx: int, threads: int)
            # its default ends a running stream whenever another request arrives
            "--interrupt_requests", "False"]
     return Server("llama.cpp", cmd, port, "gguf", "/v1/models", out / "llama-cpp.log")
+
+
+def llama_server(binary: str, gguf: Path, port: int, out: Path, n_ctx: int, threads: int,
+                 slots: int) -> Server:
+    """llama.cpp's C++ ``llama-server`` with ``slots`` parallel slots of ``n_ctx`` tokens each
+    (``llama_cpp.server`` runs one request at a time)."""
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(n_ctx * slots), "-np", str(slots), "-t", str(threads), "-tb", str(threads),
+           "--alias", "gguf", "--threads-http", str(slots + 2)]  # every client and the probe
+    return Server("llama-server", cmd, port, "gguf", "/health", out / "llama-server.log")
 
 
 async def _one_request(client, server: Server, prompt: str, max_tokens: int) -> dict:
@@ -372,15 +383,22 @@ def run_serving(model: str | None, out: Path, *, gguf: str | None = None, concur
                 max_tokens: int = 64, per_client: int = 2, rounds: int = 3,
                 max_context: int = 512, trace: int = 0, rate: float = 2.0,
                 trace_words=TRACE_PROMPT_WORDS, trace_tokens=TRACE_OUTPUT_TOKENS,
-                paged_args=(), llama_cpp: bool = True, say=print) -> dict:
-    """Start ``paged-serve`` on ``model`` (and ``llama_cpp.server`` on ``gguf`` when given and
-    installed), measure the concurrent-client rounds and, with ``trace`` > 0, a Poisson trace
-    of that many requests; write serve.json / serve.md / serve.png into ``out``.  Returns the
-    report (``meta``, ``result``, ``trace``, ``grammar``, ``markdown``)."""
+                paged_args=(), llama_cpp: bool = True, llama_server_bin: str | None = None,
+                say=print) -> dict:
+    """Start ``paged-serve`` on ``model`` (and llama.cpp on ``gguf`` when given: the C++
+    ``llama-server`` at ``llama_server_bin`` or on the PATH, with as many slots as the largest
+    concurrency, else ``llama_cpp.server`` when installed), measure the concurrent-client
+    rounds and, with ``trace`` > 0, a Poisson trace of that many requests; write serve.json /
+    serve.md / serve.png into ``out``.  Returns the report (``meta``, ``result``, ``trace``,
+    ``grammar``, ``markdown``)."""
     out.mkdir(parents=True, exist_ok=True)
     servers = [paged_server(model, _free_port(), out, max_context, list(paged_args))]
     skipped = None
-    if gguf and llama_cpp:
+    binary = llama_server_bin or shutil.which("llama-server")
+    if gguf and llama_cpp and binary:
+        servers.append(llama_server(binary, Path(gguf), _free_port(), out, max_context,
+                                    os.cpu_count() or 1, max(concurrencies)))
+    elif gguf and llama_cpp:
         skipped = _llama_cpp_server_missing()
         if skipped is None:
             servers.append(llama_cpp_server(Path(gguf), _free_port(), out, max_context,
@@ -430,6 +448,9 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama.cpp's C++ llama-server binary (default: llama-server on the PATH, "
+                   "else llama_cpp.server)")
     p.add_argument("--trace", type=int, default=0, metavar="COUNT",
                    help="also replay a Poisson trace of COUNT requests of mixed lengths")
     p.add_argument("--rate", type=float, default=2.0, help="the trace's requests per second")
@@ -447,7 +468,7 @@ def main(argv=None) -> None:
                          max_tokens=args.max_tokens, per_client=args.per_client,
                          rounds=args.rounds, max_context=args.max_context, trace=args.trace,
                          rate=args.rate, paged_args=shlex.split(args.paged_args),
-                         llama_cpp=not args.no_llama_cpp,
+                         llama_cpp=not args.no_llama_cpp, llama_server_bin=args.llama_server,
                          say=lambda m: print(m, file=sys.stderr))
     print(report["markdown"])
 

@@ -123,9 +123,11 @@ class ExecutionError(PagedDecodeError):
 class NonFiniteLogitsError(ExecutionError):
     """A step's logits hold NaN or infinity (weights damaged after packing, or a kernel fault):
     the step is refused rather than its logits returned, and its sequences were not advanced.
-    ``step`` names the step (prefill, decode at a position, batched decode) and ``rows`` the
-    rows of a batched step that failed."""
+    ``step`` names the step (prefill, decode at a position, batched decode), ``rows`` the
+    rows of a batched step that failed and ``sequences`` their sequence ids (set by the step
+    runner), so a scheduler ends those sequences' requests and steps the others again."""
 
-    def __init__(self, message: str, step: str = "", rows: tuple[int, ...] = (0,)):
-        self.step, self.rows = step, rows
+    def __init__(self, message: str, step: str = "", rows: tuple[int, ...] = (0,),
+                 sequences: tuple[int, ...] = ()):
+        self.step, self.rows, self.sequences = step, rows, sequences
         super().__init__(message)

@@ -21,6 +21,7 @@ call time, which a drafter weighs a verification's cost by.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ import numpy as np
 from paged_decode.runtime._tvm import tvm
 
 from .artifact import Artifact, WeightPack
-from .errors import HandleError, InputError
+from .errors import HandleError, InputError, NonFiniteLogitsError
 from .host_memory import on_host
 from .kv_pool import PagedKVCache, SessionHandle
 from .session import (PagedDecodeSession, ValidityKey, check_compatible, check_prompt,
@@ -61,6 +62,16 @@ class _Plan:
         for tensor, host in zip(self.tensors, self.hosts):
             if not on_host(tensor.device):
                 tensor.copyfrom(host)
+
+
+@contextlib.contextmanager
+def _naming(seq_id: int):
+    """A NonFiniteLogitsError of a one-sequence call names that sequence."""
+    try:
+        yield
+    except NonFiniteLogitsError as e:
+        e.sequences = (seq_id,)
+        raise
 
 
 class StepRunner:
@@ -129,7 +140,8 @@ class StepRunner:
         ids = self._check(rows)
         if len(rows) == 1 and len(ids[0]) == 1:
             t0 = time.perf_counter()
-            out = self.single.realize_token(rows[0].handle, int(ids[0][0]))[None]
+            with _naming(rows[0].handle.seq_id):
+                out = self.single.realize_token(rows[0].handle, int(ids[0][0]))[None]
             self._timed(1, t0)
             return [out]
         snaps = []
@@ -189,7 +201,8 @@ class StepRunner:
 
     def _prefill_call(self, handle, toks, start) -> np.ndarray:
         t0 = time.perf_counter()
-        row = self.single.prefill_reserved(handle, toks, start)
+        with _naming(handle.seq_id):
+            row = self.single.prefill_reserved(handle, toks, start)
         self.prefill_calls += 1
         self._timed(-1, t0)
         return row
@@ -201,14 +214,19 @@ class StepRunner:
         if B == 1:
             (i, pos), = part
             h = rows[i].handle
-            logits = self.single.decode_at(h, int(ids[i][pos - h.length]), pos)[None]
+            with _naming(h.seq_id):
+                logits = self.single.decode_at(h, int(ids[i][pos - h.length]), pos)[None]
         else:
             plan = self._plan(B)
             self._fill(plan, part, rows, ids)
             plan.upload()
             res = self.single._call(f"batch_decode_{B}", plan.fn, *plan.tensors,
                                     self.single._pools_arg, self.single._params_arg)
-            logits = host_rows(res, len(part), lambda r: self._where(r, part[r], rows))
+            try:
+                logits = host_rows(res, len(part), lambda r: self._where(r, part[r], rows))
+            except NonFiniteLogitsError as e:
+                e.sequences = tuple(sorted({rows[part[r][0]].handle.seq_id for r in e.rows}))
+                raise
             self._counts[B] += 1
         self._timed(B, t0)
         return logits

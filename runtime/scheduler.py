@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from .checks import check_stop_ids, is_int
-from .errors import CapacityError, InputError, OutOfBlocksError
+from .errors import CapacityError, InputError, NonFiniteLogitsError, OutOfBlocksError
 from .kv_pool import PagedKVCache
 from .prefix_cache import PrefixCache
 from .request import MAX_TOP_LOGPROBS, Request, TokenLogprob, token_logprob  # noqa: F401
@@ -255,6 +255,8 @@ class Scheduler(SpeculativeSteps):
             try:
                 logits = self.runner.run([Row(r.handle, c) for r, c in chunks])
                 break
+            except NonFiniteLogitsError as e:
+                self._fail_rows([r for r, _ in chunks], e)  # the others' chunks again
             except OutOfBlocksError as e:
                 if self._make_room(e.requested):
                     continue
@@ -309,6 +311,10 @@ class Scheduler(SpeculativeSteps):
                     for r in reqs]
             try:
                 logits = self.runner.run(rows)
+            except NonFiniteLogitsError as e:
+                failed = self._fail_rows(reqs, e)
+                reqs = [r for r in reqs if r not in failed]
+                continue
             except OutOfBlocksError as e:
                 if drafts:  # the drafts' positions first: a plain step may fit
                     drafts = {}
@@ -409,6 +415,17 @@ class Scheduler(SpeculativeSteps):
             if j in failed:
                 errors[i] = failed[j]
         return tokens
+
+    def _fail_rows(self, reqs: list[Request], error: NonFiniteLogitsError) -> list[Request]:
+        """End the requests whose rows of a refused step had non-finite logits (the step left
+        every sequence as it was: the others step again); those requests.  Re-raises an
+        error that names no sequence of ``reqs``."""
+        bad = [r for r in reqs if r.handle.seq_id in error.sequences]
+        if not bad:
+            raise error
+        for r in bad:
+            self._fail(r, error)
+        return bad
 
     def _fail(self, req: Request, error: Exception) -> None:
         req.error = error

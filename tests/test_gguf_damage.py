@@ -280,6 +280,40 @@ def test_nan_logits_in_one_batch_row_name_that_row(nan_world):
     assert np.isfinite(batch.step(handles, [4, 6, 5])).all()
 
 
+def test_a_non_finite_row_ends_only_its_own_request(nan_world):
+    """Three requests step together: one's prompt holds the NaN token (its prefill rows are
+    NaN), one samples it (logit_bias) and so decodes it; each ends with the error, and the
+    third, stepped again without them, gives its solo tokens; every block comes back."""
+    from paged_decode.runtime.errors import NonFiniteLogitsError
+    from paged_decode.runtime.sampling import SamplingParams
+    from paged_decode.runtime.scheduler import Scheduler
+
+    from .conftest import make_pool
+
+    artifact, weights = nan_world
+
+    def run(jobs):
+        pool = make_pool(artifact, 32)
+        sched = Scheduler(artifact, weights, pool, prefix_cache=False)
+        reqs = [sched.add(prompt, max_tokens=6, sampling=params) for prompt, params in jobs]
+        for _ in range(40):
+            if all(r.finished for r in reqs):
+                break
+            sched.step()
+        return pool, reqs
+
+    _, (solo,) = run([([1, 2, 3], None)])
+    forced = SamplingParams(logit_bias={NAN_TOKEN: 100})
+    pool, (at_prefill, at_decode, fine) = run([([1, NAN_TOKEN, 3], None), ([4, 5], forced),
+                                               ([1, 2, 3], None)])
+    assert isinstance(at_prefill.error, NonFiniteLogitsError) and at_prefill.tokens == []
+    assert "prefill of sequence" in str(at_prefill.error)
+    assert isinstance(at_decode.error, NonFiniteLogitsError)
+    assert at_decode.tokens == [NAN_TOKEN] and "decode row" in str(at_decode.error)
+    assert (fine.error, fine.finish_reason, fine.tokens) == (None, "length", solo.tokens)
+    assert pool.num_free == 32
+
+
 def test_the_batching_engine_ends_requests_with_the_error_not_nan_text(nan_world, build):
     from paged_decode.runtime.batch_engine import BatchEngine
     from paged_decode.runtime.errors import NonFiniteLogitsError
