@@ -4,13 +4,14 @@ tokens (1 to decode, k + 1 to verify k drafted tokens, a chunk of a prompt to pr
 The runner picks the compiled functions a step runs:
 
 - one row of one token: the B = 1 ``decode`` (fused GEMV kernels, the fastest single stream);
-- otherwise every new token of every row is a row of ``batch_decode_<B>`` (the smallest bucket
-  ``B`` that holds them, ``max_rows`` tokens per call): each token row carries its sequence's
+- otherwise every new token of every row is a row of ``batch_decode_<B>`` (``calls_for``: the
+  smallest bucket ``B`` that holds them, or on the CPU past its weight-streaming buckets calls
+  that fill theirs; ``max_rows`` tokens per call at most): each token row carries its sequence's
   block table, its position + 1 as context length and its own write offset, so tokens of one
   sequence in one call attend causally to each other (every row's K/V is written before any
   row's attention reads) and every token's logits come back;
 - a row of more than ``max_rows`` tokens that needs only its last logits (a prompt chunk)
-  runs the compiled ``prefill`` (matrix kernels, which win over the batch plans past them).
+  runs the compiled ``prefill`` (matrix kernels over float32 activations).
 
 A step is all or nothing: every row's positions are reserved first, the calls run, and only
 then does every handle advance; if anything fails every handle (length and blocks) and the
@@ -37,6 +38,13 @@ from .session import (PagedDecodeSession, ValidityKey, check_compatible, check_p
                       check_token_id, host_rows, validity_key_for)
 
 _EMA = 0.2  # weight of the newest call in a plan's mean call time
+# Per target kind: the buckets up to this many rows stream the weights once per call, like
+# decode (the CPU's small-batch GEMVs, compile/kernels/cpu/batch.py SMALL_ROWS), so padding
+# them costs little; the larger ones are matrix products whose time grows with their rows,
+# padding included.  Token rows past it go in calls that fill their buckets (the largest bucket
+# the rows fill, then the rest) rather than one padded call: on SmolLM2 Q4_1 (2 cores) 10 rows
+# as 8 + 2 take 0.85x the time of one 16-row call (docs/benchmarks.md).
+STREAM_ROWS = {"llvm": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,10 +131,24 @@ class StepRunner:
                              "--batch-buckets")
         return fits[0]
 
+    def calls_for(self, n: int) -> list[int]:
+        """The plans (rows each: a bucket, 1 for the B = 1 decode) ``n`` token rows run in,
+        in order; every call full but the last (``STREAM_ROWS``)."""
+        stream = STREAM_ROWS.get(self.artifact.manifest.target_kind)
+        out = []
+        while n > 0:
+            if stream in self.buckets and n > stream:
+                take = max(b for b in self.buckets if b <= n)
+            else:
+                take = min(n, self.max_rows)
+            out.append(self.bucket_for(take))
+            n -= take
+        return out
+
     def cost(self, rows: int) -> float | None:
-        """Mean seconds of one call over ``rows`` (<= ``max_rows``) token rows, once that
-        plan ran."""
-        return self.seconds.get(self.bucket_for(rows))
+        """Mean seconds of the calls over ``rows`` token rows, once their plans ran."""
+        times = [self.seconds.get(b) for b in self.calls_for(rows)]
+        return None if None in times else sum(times)
 
     # -- a step -------------------------------------------------------------------------------
     def prefill(self, handle: SessionHandle, token_ids) -> np.ndarray:
@@ -192,8 +214,10 @@ class StepRunner:
                 out[i].append(self._prefill_call(row.handle, toks, start)[None])
             else:
                 flat += [(i, start + j) for j in range(len(toks))]
-        for lo in range(0, len(flat), self.max_rows):
-            part = flat[lo:lo + self.max_rows]
+        lo = 0
+        for bucket in self.calls_for(len(flat)):
+            part = flat[lo:lo + bucket]
+            lo += len(part)
             logits = self._batch_call(part, rows, ids)
             for r, (i, _) in enumerate(part):
                 out[i].append(logits[r:r + 1])

@@ -158,7 +158,7 @@ class SpeculativeSteps:
         if self.speculative is None or not reqs:
             return {}
         spare = (self.runner.max_rows - 1 if len(reqs) == 1
-                 else self.runner.bucket_for(len(reqs)) - len(reqs))
+                 else sum(self.runner.calls_for(len(reqs))) - len(reqs))
         out = {}
         # several streams: the spare rows cost nothing more
         cost = self._cost if len(reqs) == 1 else (lambda _rows: 1.0)
@@ -191,7 +191,7 @@ class SpeculativeSteps:
         one, many = self.runner.seconds.get(1), self.runner.cost(rows)
         if one and many:
             return many / one
-        return PRIOR_COST.get(self.runner.bucket_for(rows), float(rows))
+        return sum(PRIOR_COST.get(b, float(b)) for b in self.runner.calls_for(rows))
 
     def _emit_verified(self, req: Request, logits: np.ndarray, draft: list[int]
                        ) -> list[tuple[Request, int]]:

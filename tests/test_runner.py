@@ -57,21 +57,43 @@ def test_a_verification_row_returns_every_positions_logits(model):
 def test_several_prompts_and_a_decode_row_run_in_one_call(model):
     artifact, weights = model
     vocab = artifact.manifest.vocab_size
-    prompts = [_ids(n, 10 + n, vocab) for n in (3, 5, 2)]
+    prompts = [_ids(n, 10 + n, vocab) for n in (3, 2, 2)]
     runner = StepRunner(artifact, weights, make_pool(artifact, 40))
     old = runner.pool.new_sequence()
     runner.prefill(old, prompts[0])
     handles = [runner.pool.new_sequence() for _ in prompts]
     rows = [Row(h, p) for h, p in zip(handles, prompts)] + [Row(old, [7])]
     got = runner.run(rows)
-    assert runner.realize_counts[16] == 1 and runner.prefill_calls == 0  # 11 token rows
+    assert runner.realize_counts[8] == 1 and runner.prefill_calls == 0  # 8 token rows
     for prompt, logits in zip(prompts, got):
         assert logits.shape == (1, vocab)
         np.testing.assert_allclose(logits[0], _solo(artifact, weights, prompt)[0], atol=TOL,
                                    rtol=0)
     np.testing.assert_allclose(got[3][0], _solo(artifact, weights, prompts[0], [7])[1],
                                atol=TOL, rtol=0)
-    assert [h.length for h in handles] == [3, 5, 2] and old.length == 4
+    assert [h.length for h in handles] == [3, 2, 2] and old.length == 4
+
+
+def test_rows_past_the_streaming_buckets_go_in_calls_that_fill_theirs(model):
+    """On the CPU, 11 token rows run as calls of 8 and 3 rows (the 8- and 4-row plans), not
+    one padded 16-row matrix call; 20 as 16 + 4; a full 16 stays one call.  Every row's logits
+    are its solo ones (bit for bit: a row's sums do not depend on its batch)."""
+    artifact, weights = model
+    vocab = artifact.manifest.vocab_size
+    runner = StepRunner(artifact, weights, make_pool(artifact, 60))
+    assert [runner.calls_for(n) for n in (8, 11, 16, 20, 31, 33)] == [
+        [8], [8, 4], [16], [16, 4], [16, 8, 8], [32, 1]]
+    prompts = [_ids(n, 30 + n, vocab) for n in (4, 5, 2)]
+    handles = [runner.pool.new_sequence() for _ in prompts]
+    before = dict(runner.realize_counts)
+    got = runner.run([Row(h, p, all_logits=True) for h, p in zip(handles, prompts)])
+    assert {b: n - before[b] for b, n in runner.realize_counts.items() if n != before[b]} == {
+        8: 1, 4: 1}
+    for prompt, logits in zip(prompts, got):
+        solo_runner = StepRunner(artifact, weights, make_pool(artifact, 20))
+        h = solo_runner.pool.new_sequence()
+        want = solo_runner.run([Row(h, prompt, all_logits=True)])[0]
+        np.testing.assert_array_equal(logits, want)
 
 
 def test_rows_longer_than_the_largest_bucket(model):
