@@ -38,6 +38,10 @@ from .session import (PagedDecodeSession, ValidityKey, check_compatible, check_p
                       check_token_id, host_rows, validity_key_for)
 
 _EMA = 0.2  # weight of the newest call in a plan's mean call time
+# a plan's mean counts as unknown once this many calls of other plans ran since its last one:
+# a mean measured in a slow moment (another process on the cores) would otherwise keep a
+# drafter from ever calling that plan again to measure it anew
+STALE_CALLS = 64
 # Per target kind: the buckets up to this many rows stream the weights once per call, like
 # decode (the CPU's small-batch GEMVs, compile/kernels/cpu/batch.py SMALL_ROWS), so padding
 # them costs little; the larger ones are matrix products whose time grows with their rows,
@@ -100,6 +104,8 @@ class StepRunner:
         self._counts = {b: 0 for b in self.buckets}
         self.prefill_calls = 0
         self.seconds: dict[int, float] = {}  # mean call time per plan (1: decode)
+        self._calls = 0  # timed calls so far
+        self._stamp: dict[int, int] = {}  # per plan: ``_calls`` at its last call
 
     @property
     def _single(self) -> PagedDecodeSession:  # the name earlier releases used
@@ -146,8 +152,10 @@ class StepRunner:
         return out
 
     def cost(self, rows: int) -> float | None:
-        """Mean seconds of the calls over ``rows`` token rows, once their plans ran."""
-        times = [self.seconds.get(b) for b in self.calls_for(rows)]
+        """Mean seconds of the calls over ``rows`` token rows, once their plans ran past
+        their first call and while their means are fresh (``STALE_CALLS``); else None."""
+        times = [self.seconds.get(b) if self._calls - self._stamp.get(b, -STALE_CALLS)
+                 < STALE_CALLS else None for b in self.calls_for(rows)]
         return None if None in times else sum(times)
 
     # -- a step -------------------------------------------------------------------------------
@@ -266,7 +274,14 @@ class StepRunner:
         return f"{what} of sequence {seq} at position {pos} (batched row {r})"
 
     def _timed(self, plan: int, t0: float) -> None:
+        """Fold a call's time into its plan's mean; a plan's first call (its inputs made,
+        the function's memory first touched) is not timed."""
         took = time.perf_counter() - t0
+        self._calls += 1
+        first = plan not in self._stamp
+        self._stamp[plan] = self._calls
+        if first:
+            return
         was = self.seconds.get(plan)
         self.seconds[plan] = took if was is None else was + _EMA * (took - was)
 

@@ -131,3 +131,24 @@ def test_a_failed_step_changes_no_sequence(model, fault):
         runner.run(rows)
     assert ([(h.length, h.blocks) for h in (a, b)], pool.num_free) == before
     assert runner.run([Row(a, [3]), Row(b, [4])])[0].shape == (1, vocab)  # both go on
+
+
+def test_a_plans_first_call_is_not_timed_and_an_old_mean_expires(model):
+    """What a drafter weighs a verification by: a plan's first call (its inputs made, memory
+    first touched) does not count, and a mean not refreshed for STALE_CALLS calls is unknown
+    again (so a slow moment cannot stop speculation for good)."""
+    from paged_decode.runtime.runner import STALE_CALLS
+
+    artifact, weights = model
+    vocab = artifact.manifest.vocab_size
+    runner = StepRunner(artifact, weights, make_pool(artifact, 40))
+    h = runner.pool.new_sequence()
+    runner.prefill(h, _ids(3, 5, vocab))  # the 4-row plan's first call
+    assert runner.calls_for(3) == [4] and runner.cost(3) is None
+    runner.run([Row(h, _ids(3, 6, vocab), all_logits=True)])
+    assert runner.cost(3) == runner.seconds[4] > 0
+    length = h.length
+    for _ in range(STALE_CALLS):
+        runner.run([Row(h, [5])])
+        h.truncate_to(length)
+    assert runner.cost(3) is None and runner.cost(1) == runner.seconds[1] > 0
