@@ -140,8 +140,11 @@ async def _under_probe(server: Server, requests) -> dict:
     ``_probe`` measures the server; the round's totals and latencies."""
     import openai
 
+    # a connection per request: a server may close an idle kept-alive one (llama-server after
+    # a few requests), which a client reusing it meets as a failed request
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                timeout=600)
+                                timeout=600, http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=_httpx().Limits(max_keepalive_connections=0)))
     if not server.model:
         server.model = (await client.models.list()).data[0].id
     stop = asyncio.Event()
@@ -155,6 +158,16 @@ async def _under_probe(server: Server, requests) -> dict:
     return {"wall_s": wall, "tokens": sum(r["tokens"] for r in results),
             "ttft": [r["ttft"] for r in results if r["ttft"] is not None],
             "itl": [x for r in results for x in r["itl"]], "health": health}
+
+
+def _httpx():
+    """The HTTP library the openai client is built on (httpx2 in its 3.x releases)."""
+    try:
+        import httpx2
+        return httpx2
+    except ImportError:
+        import httpx
+        return httpx
 
 
 async def run_round(server: Server, concurrency: int, per_client: int,
