@@ -239,6 +239,13 @@ def _memoised(fn):
 # The batch buckets the batching tests compile (the CPU default); every other test's artifacts
 # have none unless it asks, so the suite compiles each batched graph only where it is tested.
 BUCKETS = (2, 4, 8, 16, 32)
+# The batching tests' build of the tiny preset and of llama_ckpt / qwen2_ckpt (test_batch_decode,
+# test_serve): a test of those models that needs no other block size, context, dtype or buckets
+# takes this build too, so each model compiles at blocks of 4 once, not also without buckets.
+BATCHED = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
+# test_batch_invariance's builds of the tiny preset, one per weight format (why 640 positions:
+# there); test_speculative's Q8_0 draft model is its q8_0 one.
+TINY_LONG = dict(block_size=16, max_context=640, batch_buckets=BUCKETS)
 
 
 @pytest.fixture(scope="session")

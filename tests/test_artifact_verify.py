@@ -19,6 +19,8 @@ from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError, ConfigError
 from paged_decode.runtime.versions import ABI_VERSION
 
+from .conftest import BATCHED
+
 OPTS = dict(block_size=4, max_context=64, batch_buckets=())  # as the session's `build`
 REBUILD = (r"paged-compile --model tiny --target llvm\S* --block-size 4 --max-blocks-cap 16 "
            r".*--force")
@@ -126,7 +128,7 @@ def test_damaged_artifact_is_an_artifact_error_naming_the_rebuild(damage, copy):
 
 def test_library_of_another_key_is_refused(build, copy):
     """Another artifact's library with a consistent sha256: the _metadata() digest tells."""
-    other = build("tiny", block_size=4, max_context=128)
+    other = build("tiny", block_size=4, max_context=12)  # cap 3: test_session's build
     shutil.copy(other.artifact_dir / "model.so", copy / "model.so")
     sha = json.loads((other.artifact_dir / "manifest.json").read_text())["library_sha256"]
     _edit_manifest(copy, lambda m: m.__setitem__("library_sha256", sha))
@@ -289,8 +291,8 @@ def test_rebuild_hints_name_the_model_as_it_was_given(build, llama_ckpt, tmp_pat
     want = re.escape(f"paged-compile --model {shlex.quote(path)} --target ")
     with pytest.raises(ArtifactError, match=want):
         api.prepare(str(llama_ckpt.path), artifacts=tmp_path / "empty", policy="readonly",
-                    **OPTS)
-    built = build(llama_ckpt.path, **OPTS)
+                    **BATCHED)
+    built = build(llama_ckpt.path, **BATCHED)
     model_arg = built.manifest.model_arg
     assert resolve_model(model_arg).config.shape_dict() == built.manifest.key["model"]
     damaged = Path(shutil.copytree(built.artifact_dir, tmp_path / built.artifact_dir.name))

@@ -141,6 +141,9 @@ def test_a_rejected_step_changes_no_sequence(bad, load):
     pool.allocator.check_invariants()
 
 
+Q4_0_BUCKETS = (4, 8)
+
+
 # the tiny preset's float16 rows are bit-identical to decode's (tests/test_batch_invariance.py)
 @pytest.mark.parametrize("source,dtype,rows", [
     ("tiny", "q4_0", 8), ("tiny", "q4_0", 4),
@@ -156,8 +159,10 @@ def test_batched_logits_track_solo_ones(load, request, source, dtype, rows):
     if source != "tiny":
         source = request.getfixturevalue(source).path
     # one bucket is enough here (float16 runs the small-batch GEMVs or the matmul tiles, Q4_0
-    # the int8 tiles); the default set is built and checked in float32 above
-    artifact, weights = load(source, **opts, **dict(OPTS, batch_buckets=(rows,)))
+    # the int8 tiles); the default set is built and checked in float32 above.  The Q4_0 cases
+    # share one build holding both of their buckets.
+    buckets = Q4_0_BUCKETS if dtype == "q4_0" else (rows,)
+    artifact, weights = load(source, **opts, **dict(OPTS, batch_buckets=buckets))
     vocab = artifact.manifest.vocab_size
     live = min(rows, 6)
     prompts = _prompts(live, vocab)

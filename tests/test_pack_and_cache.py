@@ -24,7 +24,8 @@ from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import (ArtifactError, ConfigError, LockTimeoutError,
                                          WeightsError)
 
-from .test_artifact_verify import OPTS, _prepare, built, compiles, root  # noqa: F401 (fixtures)
+from .conftest import BATCHED
+from .test_artifact_verify import _prepare, built, compiles, root  # noqa: F401 (fixtures)
 
 
 def _pack(root: Path) -> Path:
@@ -130,7 +131,7 @@ def test_a_checkpoint_pack_hint_names_the_folder_as_given(build, llama_ckpt, tmp
     name, the model's name, is nothing ``--model`` resolves)."""
     import shlex
 
-    built = build(llama_ckpt.path, **OPTS)
+    built = build(llama_ckpt.path, **BATCHED)
     pack = Path(shutil.copytree(built.weights_dir, tmp_path / "weights" / "pack"))
     _flip(pack / "params.safetensors")
     path = shlex.quote(str(Path(llama_ckpt.path).resolve()))

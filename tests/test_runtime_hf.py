@@ -10,7 +10,8 @@ from paged_decode.bench.baselines import hf_forward
 from paged_decode.runtime.kv_pool import k_rows
 from paged_decode.runtime.session import PagedDecodeSession
 
-from .conftest import LOGIT_TOL, TOL, _randomize, _save, make_pool, QUANT_MODEL_RTOL
+from .conftest import (BATCHED, LOGIT_TOL, TOL, _randomize, _save, make_pool,
+                       QUANT_MODEL_RTOL)
 
 PROMPT = [3, 17, 99, 41, 5, 250, 8, 77, 12, 64, 31]  # 11 tokens: crosses blocks of 4
 STEPS = 48
@@ -66,13 +67,21 @@ CASES = [("llama_ckpt", 4, "float32"), ("llama_ckpt", 16, "float32"),
          ("qwen2_ckpt", 4, "float32"), ("qwen3_ckpt", 4, "float32"),
          ("llama_tied_ckpt", 4, "float32"),
          ("llama_ckpt", 4, "float16")]
+# the checkpoints test_batch_decode builds batched: at blocks of 4 in float32 they take that build
+BATCHED_CKPTS = ("llama_ckpt", "qwen2_ckpt")
+
+
+def _opts(ckpt, block_size=4, cache_dtype="float32", **more):
+    """``ckpt``'s prepare options: :data:`conftest.BATCHED` where that build fits."""
+    if ckpt in BATCHED_CKPTS and block_size == 4 and cache_dtype == "float32" and not more:
+        return BATCHED
+    return dict(block_size=block_size, max_context=64, cache_dtype=cache_dtype, **more)
 
 
 @pytest.mark.parametrize("ckpt,block_size,cache_dtype", CASES)
 def test_matches_hf(request, load, ckpt, block_size, cache_dtype):
     path = request.getfixturevalue(ckpt).path
-    artifact, weights = load(path, block_size=block_size, max_context=64,
-                             cache_dtype=cache_dtype)
+    artifact, weights = load(path, **_opts(ckpt, block_size, cache_dtype))
     ours, tokens = run_ours(artifact, weights, PROMPT, STEPS)
     ref = hf_reference(path, PROMPT, tokens)
     tol = LOGIT_TOL[cache_dtype]
@@ -83,8 +92,8 @@ def test_matches_hf(request, load, ckpt, block_size, cache_dtype):
 
 def test_f16_weights_track_f32(load, llama_ckpt):
     """float16 weights: same greedy tokens as float32 on most steps, logits within 5e-2."""
-    a32, w32 = load(llama_ckpt.path, block_size=4, max_context=64)
-    a16, w16 = load(llama_ckpt.path, block_size=4, max_context=64, weight_dtype="float16")
+    a32, w32 = load(llama_ckpt.path, **_opts("llama_ckpt"))
+    a16, w16 = load(llama_ckpt.path, **_opts("llama_ckpt", weight_dtype="float16"))
     l32, _ = run_ours(a32, w32, PROMPT, 8)
     l16, _ = run_ours(a16, w16, PROMPT, 8)
     np.testing.assert_allclose(l16[0], l32[0], atol=LOGIT_TOL["float16"], rtol=0)
@@ -98,7 +107,7 @@ def test_pool_holds_hf_keys_and_values(load, llama_ckpt, block_size):
     write."""
     from transformers import AutoModelForCausalLM
 
-    artifact, weights = load(llama_ckpt.path, block_size=block_size, max_context=64)
+    artifact, weights = load(llama_ckpt.path, **_opts("llama_ckpt", block_size))
     pool = make_pool(artifact, 40)
     pool.new_sequence().reserve(6)  # another sequence owns the first blocks
     session = PagedDecodeSession(artifact, weights, pool)
@@ -134,14 +143,14 @@ def test_quantized_weights_track_f32(load, build, llama_ckpt, fmt):
     from paged_decode.compile.formats import FORMATS, INTERLEAVED
     from paged_decode.compile.weights import resolve_model
 
-    opts = {"block_size": 4, "max_context": 64}
-    a32, w32 = load(llama_ckpt.path, **opts)
-    aq, wq = load(llama_ckpt.path, weight_dtype=fmt, **opts)
+    opts = _opts("llama_ckpt", weight_dtype=fmt)
+    a32, w32 = load(llama_ckpt.path, **_opts("llama_ckpt"))
+    aq, wq = load(llama_ckpt.path, **opts)
     # the CPU layout: layers' rows and the Q8_0 LM head interleaved by 8, the embedding by rows
     assert aq.manifest.weight_dtype == INTERLEAVED[fmt].name
     formats = aq.manifest.key["weight_formats"]
     assert formats == {"embed": fmt, **({} if fmt == "q8_0" else {"lm_head": "q8_0x8"})}
-    packed = load_file(str(build(llama_ckpt.path, weight_dtype=fmt, **opts).weights_dir
+    packed = load_file(str(build(llama_ckpt.path, **opts).weights_dir
                            / "params.safetensors"))
     floats = resolve_model(str(llama_ckpt.path)).load_params("float32")
     qtype = GGMLQuantizationType[FORMATS[fmt].gguf_type]

@@ -88,12 +88,14 @@ def test_new_alloc_id_rebuilds_and_reprefills(tiny):
     assert gen.session.key.alloc_id != old_session.key.alloc_id
 
 
-def test_larger_cap_means_another_session(load, tiny):
+def test_another_cap_means_another_session(load, tiny):
     artifact, weights = tiny
-    bigger, bigger_w = load("tiny", block_size=BS, max_context=128)
+    # cap 3 (test_padded_and_exact_tables_give_identical_logits's build) against cap 16
+    other, other_w = load("tiny", block_size=BS, max_context=12)
     pool = make_pool(artifact, 8)
     session = PagedDecodeSession(artifact, weights, pool)
-    assert not session.is_valid_for(*dataclasses.astuple(validity_key_for(bigger, bigger_w, pool)))
+    assert session.is_valid_for(*dataclasses.astuple(validity_key_for(artifact, weights, pool)))
+    assert not session.is_valid_for(*dataclasses.astuple(validity_key_for(other, other_w, pool)))
 
 
 def test_padded_and_exact_tables_give_identical_logits(load):

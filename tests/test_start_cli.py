@@ -13,8 +13,10 @@ from paged_decode import cli
 from paged_decode.runtime.kv_pool import PagedKVCache
 from paged_decode.runtime.tokenizer import Tokenizer
 
-BUILD = dict(block_size=4, max_context=64, batch_buckets=())  # the session `build`'s default
-ARGS = ["--block-size", "4", "--max-context", "64", "--batch-buckets", "none"]
+from .conftest import BATCHED, BUCKETS
+
+BUILD = BATCHED  # the batching tests' build of tiny and llama_ckpt: compiled once for all
+ARGS = ["--block-size", "4", "--max-context", "64", "--batch-buckets", ",".join(map(str, BUCKETS))]
 
 
 @pytest.fixture
