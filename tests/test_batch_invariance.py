@@ -12,13 +12,13 @@ import pytest
 from paged_decode.compile.kernels.cpu import batch, gemv, linear, norm
 from paged_decode.runtime.runner import Row, StepRunner
 
-from .conftest import BUCKETS, SMOL_OPTS, make_pool
+from .conftest import SMOL_OPTS, TINY_LONG, make_pool
 from .test_kernels import _compiled, _t
 
 # 16-token blocks and 640 positions: the tiny preset's attention (4 heads x 16 dims) splits a
 # context of 512 positions or more among parallel parts (attention.PARALLEL_MIN_WORK), so
 # both of the decode kernel's ways are compared
-OPTS = dict(block_size=16, max_context=640, batch_buckets=BUCKETS)
+OPTS = TINY_LONG
 LONG, SHORT = 600, 20
 # q4_1: rows interleaved by 8 with an offset term and an LM head by rows; q8_0: interleaved
 # rows without an offset and an interleaved head taking int16 activations; the float formats:

@@ -17,11 +17,26 @@ from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 
 
-def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root):
+# The two runs of the tiny preset below share one build: 8-token blocks (the --block-size the
+# first checks) and a prompt past tiny's vocabulary (what the second checks) size its context.
+BLOCK_SIZE = ("--block-size", "8")
+
+
+@pytest.fixture
+def prompts_past_the_vocabulary(monkeypatch) -> int:
+    """The quick settings' prompt lengths made one longer than tiny's 256-token vocabulary
+    (the full settings' 512 are); returns that length."""
+    n = resolve_model("tiny").config.vocab_size + 16
+    monkeypatch.setitem(bench.QUICK, "prompts", (n,))
+    return n
+
+
+def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root,
+                                              prompts_past_the_vocabulary):
     out = tmp_path / "bench"
     result = CliRunner().invoke(bench_cmd, [
         "--model", "tiny", "--quick", "--rounds", "3", "--dtype", "float32", "--section",
-        "decode", "--section", "batch", "--block-size", "8", "--out", str(out),
+        "decode", "--section", "batch", *BLOCK_SIZE, "--out", str(out),
         "--artifacts", str(artifact_root)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
@@ -441,22 +456,22 @@ def test_serve_section_loads_the_server_and_replays_a_trace(tmp_path, artifact_r
 
 
 def test_every_section_runs_on_the_default_preset_with_prompts_past_its_vocabulary(
-        tmp_path, artifact_root, monkeypatch):
+        tmp_path, artifact_root, prompts_past_the_vocabulary):
     """``paged-bench --model tiny`` (the default) with the smallest settings, and prompts
     longer than tiny's 256-token vocabulary (the full settings' 512): every prompt a section
     builds stays inside the vocabulary, and each section reports or says why it skipped (the
-    batch section on tiny: ``test_bench_quick_writes_json_markdown_png``)."""
-    vocab = resolve_model("tiny").config.vocab_size
-    monkeypatch.setitem(bench.QUICK, "prompts", (vocab + 16,))
+    batch section on tiny: ``test_bench_quick_writes_json_markdown_png``, whose build this
+    one's block size shares)."""
+    n = prompts_past_the_vocabulary
     out = tmp_path / "bench"
     result = CliRunner().invoke(bench_cmd, [
         "--quick", "--rounds", "1", "--dtype", "float32", "--section", "decode", "--section",
-        "serve", "--out", str(out), "--artifacts", str(artifact_root)])
+        "serve", *BLOCK_SIZE, "--out", str(out), "--artifacts", str(artifact_root)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench.json").read_text())
     (run,) = report["runs"]
     assert run["model"] == "tiny"
-    assert run["ours"]["prefill_tps"][str(vocab + 16)] > 0
+    assert run["ours"]["prefill_tps"][str(n)] > 0
     assert run["ours"]["peak_rss_mb"]["peak_rss_mb"] > 0
     (served,) = report["serve_runs"]
     assert "no tokenizer" in served["skipped"]

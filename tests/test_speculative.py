@@ -15,7 +15,7 @@ from paged_decode.runtime.scheduler import Scheduler
 from paged_decode.runtime.speculative import (NgramDrafter, SpeculativeConfig, best_length,
                                               expected_tokens)
 
-from .conftest import BUCKETS, LOGIT_TOL, make_pool
+from .conftest import BUCKETS, LOGIT_TOL, TINY_LONG, make_pool
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
 # every proposal verified whole: what is checked is the verification, not the cost model's
@@ -47,12 +47,13 @@ def _run(artifact, weights, prompts, speculative, **request):
 
 
 def _draft_config(load) -> SpeculativeConfig:
-    """The tiny preset's own weights in Q8_0 drafting for it in float32 (one tokenizer)."""
+    """The tiny preset's own weights in Q8_0 drafting for it in float32 (one tokenizer), in
+    test_batch_invariance's Q8_0 build (its own 16-token blocks: a draft keeps its own pool)."""
     from paged_decode.runtime.draft_model import DraftModel
 
     return SpeculativeConfig(method="draft", draft_tokens=5, adaptive=False,
-                             draft_model=DraftModel(*load("tiny", block_size=4, max_context=64,
-                                                          weight_dtype="q8_0")))
+                             draft_model=DraftModel(*load("tiny", weight_dtype="q8_0",
+                                                          **TINY_LONG)))
 
 
 @pytest.mark.parametrize("method,streams", [("ngram", 1), ("ngram", 3), ("draft", 1),
