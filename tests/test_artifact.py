@@ -110,11 +110,22 @@ def test_weight_values_do_not_change_the_digest_but_change_shape_key(llama_ckpt,
     assert api.shape_key(a, "float32") != api.shape_key(b, "float32")
 
 
-def test_second_compile_of_a_key_compiles_nothing(tmp_path, monkeypatch):
+def test_second_compile_of_a_key_compiles_nothing(build, tmp_path, monkeypatch):
+    """Builds counted at ``build.compile_library``, which here copies the library the session
+    built for this key (a real compile into a fresh root:
+    test_concurrent_builds_of_one_key_leave_one_artifact)."""
+    from paged_decode.compile import build as build_mod
+
+    built = build("tiny", block_size=4, max_context=64)
     count = []
-    real = build.compile_library
-    monkeypatch.setattr(build, "compile_library", lambda *a: count.append(1) or real(*a))
-    opts = dict(block_size=4, max_context=16, artifacts=tmp_path, batch_buckets=())
+
+    def fake_compile(spec, target, manifest, out_dir):
+        assert manifest["digest"] == built.manifest.digest
+        count.append(1)
+        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
+
+    monkeypatch.setattr(build_mod, "compile_library", fake_compile)
+    opts = dict(block_size=4, max_context=64, artifacts=tmp_path, batch_buckets=())
     first, second = api.prepare("tiny", **opts), api.prepare("tiny", **opts)
     assert (first.cache_hit, second.cache_hit, len(count)) == (False, True, 1)
     assert first.artifact_dir == second.artifact_dir

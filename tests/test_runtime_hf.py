@@ -90,10 +90,16 @@ def test_matches_hf(request, load, ckpt, block_size, cache_dtype):
     assert tokens == [int(np.argmax(r)) for r in ref[:-1]]
 
 
+# test_batch_decode's float16 build of llama_ckpt (weights and cache; one bucket, of 16 rows)
+LLAMA_F16 = dict(BATCHED, weight_dtype="float16", cache_dtype="float16", batch_buckets=(16,))
+
+
 def test_f16_weights_track_f32(load, llama_ckpt):
-    """float16 weights: same greedy tokens as float32 on most steps, logits within 5e-2."""
+    """float16 weights (in the float16-cache build test_batch_decode makes; the cache alone:
+    test_matches_hf's float16 case): prefill logits within 5e-2 of float32's."""
     a32, w32 = load(llama_ckpt.path, **_opts("llama_ckpt"))
-    a16, w16 = load(llama_ckpt.path, **_opts("llama_ckpt", weight_dtype="float16"))
+    a16, w16 = load(llama_ckpt.path, **LLAMA_F16)
+    assert (a16.manifest.weight_dtype, a16.manifest.cache_dtype) == ("float16", "float16")
     l32, _ = run_ours(a32, w32, PROMPT, 8)
     l16, _ = run_ours(a16, w16, PROMPT, 8)
     np.testing.assert_allclose(l16[0], l32[0], atol=LOGIT_TOL["float16"], rtol=0)
