@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from paged_decode.compile import api, cache
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError
 
-OPTS = dict(block_size=8, max_context=32, batch_buckets=())
+OPTS = dict(block_size=4, max_context=64, batch_buckets=())  # as the session's `build`
 
 # argv: root, marker file (one line per compile), ready file, go file
 RACER = f"""
@@ -90,7 +91,13 @@ def test_two_processes_building_one_key_compile_once(tmp_path):
     assert list((root / ".tmp").iterdir()) == []
 
 
-def test_killed_build_leaves_nothing_loadable_and_a_later_build_succeeds(tmp_path):
+def test_killed_build_leaves_nothing_loadable_and_a_later_build_succeeds(build, tmp_path,
+                                                                         monkeypatch):
+    """The later build's compile copies the library the session built for this key (the
+    compile itself: test_two_processes_building_one_key_compile_once)."""
+    from paged_decode.compile import build as build_mod
+
+    built = build("tiny", **OPTS)
     root, started = tmp_path / "root", tmp_path / "started"
     proc = _spawn(KILLED, root, started)
     try:
@@ -110,6 +117,11 @@ def test_killed_build_leaves_nothing_loadable_and_a_later_build_succeeds(tmp_pat
     with pytest.raises(ArtifactError, match="readonly; build it with: paged-compile"):
         api.prepare("tiny", artifacts=root, policy="readonly", **OPTS)
 
+    def copy_compile(spec, target, manifest, out_dir):
+        assert manifest["digest"] == built.manifest.digest
+        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
+
+    monkeypatch.setattr(build_mod, "compile_library", copy_compile)
     prepared = api.prepare("tiny", artifacts=root, **OPTS)  # the dead builder's lock is free
     assert not prepared.cache_hit and prepared.artifact_dir == root / name
     assert not partial.exists()  # swept: its pid is gone
