@@ -16,17 +16,25 @@ from paged_decode.bench.stream import CHUNKS, stream_words
 from paged_decode.compile.targets import resolve_target
 from paged_decode.compile.weights import resolve_model
 
+from .conftest import TINY_LONG
 
-# The two runs of the tiny preset below share one build: 8-token blocks (the --block-size the
-# first checks) and a prompt past tiny's vocabulary (what the second checks) size its context.
-BLOCK_SIZE = ("--block-size", "8")
+
+# The two runs of the tiny preset below take test_batch_invariance's float32 build of it
+# (conftest.TINY_LONG): its 16-token blocks (the --block-size the first checks, not the CPU's
+# 64) and a prompt past tiny's vocabulary (what the second checks) as long as makes
+# paged-bench's context its 640 positions.
+BLOCK_SIZE = ("--block-size", str(TINY_LONG["block_size"]))
 
 
 @pytest.fixture
 def prompts_past_the_vocabulary(monkeypatch) -> int:
     """The quick settings' prompt lengths made one longer than tiny's 256-token vocabulary
-    (the full settings' 512 are); returns that length."""
-    n = resolve_model("tiny").config.vocab_size + 16
+    (the full settings' 512 are), of TINY_LONG's context less paged-bench's room for the new
+    tokens; returns that length."""
+    cfg = dict(bench.QUICK, batch=dict(bench.batch.QUICK))
+    room = bench._max_context(dict(cfg, prompts=(10_000,))) - 10_000
+    n = TINY_LONG["max_context"] - room
+    assert n > resolve_model("tiny").config.vocab_size
     monkeypatch.setitem(bench.QUICK, "prompts", (n,))
     return n
 
@@ -42,7 +50,7 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root,
     report = json.loads((out / "bench.json").read_text())
     assert report["sections"] == ["decode", "batch"]
     (run,) = report["runs"]
-    assert run["block_size"] == 8
+    assert run["block_size"] == TINY_LONG["block_size"]
     assert run["bandwidth_gbps"] > 0
     ours = run["ours"]
     contexts = [str(c) for c in report["settings"]["contexts"]]
@@ -114,7 +122,7 @@ def test_bench_quick_writes_json_markdown_png(tmp_path, artifact_root,
     assert "| tiny | float32 | paged-decode |" in md and "| tiny | float32 | floor |" in md
     assert f"| tiny | float32 | float32 | {rss['peak_rss_mb']:.0f} MB" in md
     assert md.startswith("CPU: ")
-    assert "KV-cache blocks of 8 tokens" in md
+    assert f"KV-cache blocks of {TINY_LONG['block_size']} tokens" in md
     read_table = md[md.index("Read-only step"):]
     assert f"| tiny | float32 | {read['bytes'] / 1e6:.1f} | " in read_table
     _check_batch_section(report, md)
