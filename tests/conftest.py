@@ -244,7 +244,8 @@ BUCKETS = (2, 4, 8, 16, 32)
 # takes this build too, so each model compiles at blocks of 4 once, not also without buckets.
 BATCHED = dict(block_size=4, max_context=64, batch_buckets=BUCKETS)
 # test_batch_invariance's builds of the tiny preset, one per weight format (why 640 positions:
-# there); test_speculative's Q8_0 draft model is its q8_0 one.
+# there); test_speculative's Q8_0 draft model is its q8_0 one, test_bench's paged-bench runs
+# its float32 one.
 TINY_LONG = dict(block_size=16, max_context=640, batch_buckets=BUCKETS)
 
 
