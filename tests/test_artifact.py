@@ -114,8 +114,6 @@ def test_second_compile_of_a_key_compiles_nothing(build, tmp_path, monkeypatch):
     """Builds counted at ``build.compile_library``, which here copies the library the session
     built for this key (a real compile into a fresh root:
     test_concurrent_builds_of_one_key_leave_one_artifact)."""
-    from paged_decode.compile import build as build_mod
-
     built = build("tiny", block_size=4, max_context=64)
     count = []
 
@@ -124,7 +122,7 @@ def test_second_compile_of_a_key_compiles_nothing(build, tmp_path, monkeypatch):
         count.append(1)
         return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
 
-    monkeypatch.setattr(build_mod, "compile_library", fake_compile)
+    monkeypatch.setattr(build_module, "compile_library", fake_compile)
     opts = dict(block_size=4, max_context=64, artifacts=tmp_path, batch_buckets=())
     first, second = api.prepare("tiny", **opts), api.prepare("tiny", **opts)
     assert (first.cache_hit, second.cache_hit, len(count)) == (False, True, 1)
@@ -136,14 +134,15 @@ def test_second_compile_of_a_key_compiles_nothing(build, tmp_path, monkeypatch):
 def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ckpt, tmp_path,
                                                                 monkeypatch):
     """A fine-tune of a built model (the same config, other weights, another folder name) gets
-    the built library (no compile), its own manifest name, and computes with its own weights."""
+    the built library (no compile), its own manifest name, and computes with its own weights.
+    Builds are counted at ``compile_library``, which copies the base's library (the key's)."""
     import torch
     from transformers import LlamaForCausalLM
 
     from .test_runtime_hf import hf_reference, run_ours
-    from .conftest import LOGIT_TOL
+    from .conftest import BATCHED, LOGIT_TOL
 
-    opts = dict(block_size=4, max_context=64)
+    opts = BATCHED  # the batching tests' build of llama_ckpt: the session compiles it anyway
     base = build(llama_ckpt.path, **opts)
     model = LlamaForCausalLM.from_pretrained(llama_ckpt.path)
     with torch.no_grad():
@@ -151,23 +150,26 @@ def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ck
     tuned = tmp_path / "llama-tuned"
     model.save_pretrained(tuned)
     count = []
-    real = build_module.compile_library
-    monkeypatch.setattr(build_module, "compile_library", lambda *a: count.append(1) or real(*a))
-    twin = api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(), **opts)
+
+    def copy_compile(spec, target, manifest, out_dir):
+        count.append(1)
+        return Path(shutil.copy(base.artifact_dir / "model.so", out_dir / "model.so"))
+
+    monkeypatch.setattr(build_module, "compile_library", copy_compile)
+    twin = api.prepare(str(tuned), artifacts=base.artifact_dir.parent, **opts)
     assert count == [] and not twin.cache_hit and twin.artifact_dir != base.artifact_dir
     mine, theirs = (json.loads((p / "manifest.json").read_text())
                     for p in (twin.artifact_dir, base.artifact_dir))
     assert (mine["name"], mine["library_sha256"]) == ("llama-tuned", theirs["library_sha256"])
     assert twin.artifact_dir.name.startswith("llama-tuned-")
-    assert api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(),
-                       **opts).cache_hit and count == []
+    assert api.prepare(str(tuned), artifacts=base.artifact_dir.parent, **opts).cache_hit
+    assert count == []
     artifact = load_artifact(twin.artifact_dir)
     logits, tokens = run_ours(artifact, artifact_module.load_weights(twin.weights_dir, artifact),
                               [3, 17, 99, 41, 5], 4)
     for ours, ref in zip(logits, hf_reference(tuned, [3, 17, 99, 41, 5], tokens)):
         np.testing.assert_allclose(ours, ref, atol=LOGIT_TOL["float32"], rtol=0)
-    api.prepare(str(tuned), artifacts=base.artifact_dir.parent, batch_buckets=(), force=True,
-                **opts)
+    api.prepare(str(tuned), artifacts=base.artifact_dir.parent, force=True, **opts)
     assert count == [1]  # redo compiles
 
 
