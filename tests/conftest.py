@@ -214,11 +214,17 @@ QUANT_BATCH_RTOL = 1e-4
 def artifact_root(tmp_path_factory) -> Path:
     """One artifact cache for the whole test session: each key compiles once, also across
     pytest-xdist workers (they share it; concurrent builds of one key compile once, see
-    test_safe_builds)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the run's directory, above each worker's own
-    root = base / "artifacts"
+    test_safe_builds).  ``$PAGED_DECODE_TEST_ARTIFACTS`` (a fresh folder .ci/run makes) is one
+    cache for both of the README's test commands, so the serial pass compiles nothing the
+    first one built; left unset, each session has its own."""
+    shared = os.environ.get("PAGED_DECODE_TEST_ARTIFACTS")
+    if shared:
+        root = Path(shared)
+    else:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            base = base.parent  # the run's directory, above each worker's own
+        root = base / "artifacts"
     root.mkdir(exist_ok=True)
     return root
 
