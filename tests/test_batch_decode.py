@@ -72,9 +72,10 @@ def _solo(artifact, weights, prompts, new_tokens):
 
 def test_batched_greedy_equals_each_solo_generation(model, monkeypatch):
     """20 sequences of different prompt lengths, joining a step apart and leaving at their own
-    lengths: the live count passes through every bucket, and every sequence's greedy tokens
-    equal its solo run.  Nothing is compiled or loaded while the batch changes (the module
-    loader, VirtualMachine and the compiler counted), and each bucket's plan is built once."""
+    lengths: the live count passes through every bucket up to 16 (17-20 live rows run as 16 +
+    the rest: calls fill their buckets on the CPU), and every sequence's greedy tokens equal
+    its solo run.  Nothing is compiled or loaded while the batch changes (the module loader,
+    VirtualMachine and the compiler counted), and each plan used is built once."""
     artifact, weights = model
     assert artifact.manifest.batch_buckets == BUCKETS
     prompts = _prompts(20, artifact.manifest.vocab_size)
@@ -98,8 +99,8 @@ def test_batched_greedy_equals_each_solo_generation(model, monkeypatch):
     monkeypatch.undo()
     assert batched == _solo(artifact, weights, prompts, new_tokens)
     counts = session.realize_counts
-    assert all(counts[b] > 0 for b in (1, 2, 4, 8, 16, 32)), counts
-    assert session.plan_builds == {1: 1, 2: 1, 4: 1, 8: 1, 16: 1, 32: 1}
+    assert all(counts[b] > 0 for b in (1, 2, 4, 8, 16)) and counts[32] == 0, counts
+    assert session.plan_builds == {1: 1, 2: 1, 4: 1, 8: 1, 16: 1, 32: 0}
 
 
 def _state(pool, handles):
