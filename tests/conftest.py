@@ -281,6 +281,25 @@ def load(build):
     return _memoised(_load)
 
 
+def copying_compiles(built, monkeypatch) -> list:
+    """Count builds at ``compile_library``: each "compile" copies the library ``built`` (a
+    ``Prepared``) holds for the same key (its digest checked); the list grows by each build's
+    folder.  For tests of the cache around a compile, without compiling again."""
+    import shutil
+
+    from paged_decode.compile import build as build_mod
+
+    count = []
+
+    def fake_compile(spec, target, manifest, out_dir):
+        assert manifest["digest"] == built.manifest.digest
+        count.append(out_dir)
+        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
+
+    monkeypatch.setattr(build_mod, "compile_library", fake_compile)
+    return count
+
+
 def quantized_weights(fmt: str, rows: int, K: int, seed: int = 0, scale: float = 1.0):
     """(packed rows as stored in ``fmt``, their float64 dequantization) of seeded standard
     normal float32 weights times ``scale``."""

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from paged_decode.compile import api, build
-from paged_decode.compile import build as build_module
 from paged_decode.compile.build import key_fields, make_spec, manifest_for
 from paged_decode.compile.config import preset
 from paged_decode.compile.kernels.cpu.simd import K_BLOCK_LAYOUT
@@ -23,6 +22,8 @@ from paged_decode.runtime import artifact as artifact_module
 from paged_decode.runtime.artifact import load_artifact, missing_cpu_features
 from paged_decode.runtime.errors import ArtifactError
 from paged_decode.runtime.versions import WEIGHTS_FORMAT, key_digest
+
+from .conftest import BATCHED, LOGIT_TOL, copying_compiles
 
 
 def _digest(cfg=None, target="llvm", **opts):
@@ -114,15 +115,7 @@ def test_second_compile_of_a_key_compiles_nothing(build, tmp_path, monkeypatch):
     """Builds counted at ``build.compile_library``, which here copies the library the session
     built for this key (a real compile into a fresh root:
     test_concurrent_builds_of_one_key_leave_one_artifact)."""
-    built = build("tiny", block_size=4, max_context=64)
-    count = []
-
-    def fake_compile(spec, target, manifest, out_dir):
-        assert manifest["digest"] == built.manifest.digest
-        count.append(1)
-        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
-
-    monkeypatch.setattr(build_module, "compile_library", fake_compile)
+    count = copying_compiles(build("tiny", block_size=4, max_context=64), monkeypatch)
     opts = dict(block_size=4, max_context=64, artifacts=tmp_path, batch_buckets=())
     first, second = api.prepare("tiny", **opts), api.prepare("tiny", **opts)
     assert (first.cache_hit, second.cache_hit, len(count)) == (False, True, 1)
@@ -140,7 +133,6 @@ def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ck
     from transformers import LlamaForCausalLM
 
     from .test_runtime_hf import hf_reference, run_ours
-    from .conftest import BATCHED, LOGIT_TOL
 
     opts = BATCHED  # the batching tests' build of llama_ckpt: the session compiles it anyway
     base = build(llama_ckpt.path, **opts)
@@ -149,13 +141,7 @@ def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ck
         model.model.norm.weight.mul_(2.0)
     tuned = tmp_path / "llama-tuned"
     model.save_pretrained(tuned)
-    count = []
-
-    def copy_compile(spec, target, manifest, out_dir):
-        count.append(1)
-        return Path(shutil.copy(base.artifact_dir / "model.so", out_dir / "model.so"))
-
-    monkeypatch.setattr(build_module, "compile_library", copy_compile)
+    count = copying_compiles(base, monkeypatch)
     twin = api.prepare(str(tuned), artifacts=base.artifact_dir.parent, **opts)
     assert count == [] and not twin.cache_hit and twin.artifact_dir != base.artifact_dir
     mine, theirs = (json.loads((p / "manifest.json").read_text())
@@ -170,7 +156,7 @@ def test_a_second_model_folder_of_a_built_key_reuses_its_library(build, llama_ck
     for ours, ref in zip(logits, hf_reference(tuned, [3, 17, 99, 41, 5], tokens)):
         np.testing.assert_allclose(ours, ref, atol=LOGIT_TOL["float32"], rtol=0)
     api.prepare(str(tuned), artifacts=base.artifact_dir.parent, force=True, **opts)
-    assert count == [1]  # redo compiles
+    assert len(count) == 1  # redo compiles
 
 
 def test_weight_pack_of_an_older_format_is_converted_again(tmp_path):

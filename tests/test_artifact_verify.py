@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from paged_decode.compile import api, build as build_mod
+from paged_decode.compile import api
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError, ConfigError
 from paged_decode.runtime.versions import ABI_VERSION
 
-from .conftest import BATCHED
+from .conftest import BATCHED, copying_compiles
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=())  # as the session's `build`
 REBUILD = (r"paged-compile --model tiny --target llvm\S* --block-size 4 --max-blocks-cap 16 "
@@ -172,14 +172,7 @@ def test_wrong_folders_say_which_folder_is_wanted(built, tmp_path):
 @pytest.fixture
 def compiles(built, monkeypatch) -> list:
     """Count builds; a "compile" copies the library already built for this key."""
-    count = []
-
-    def fake_compile(spec, target, manifest, out_dir):
-        assert manifest["digest"] == built.manifest.digest
-        count.append(out_dir)
-        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
-
-    monkeypatch.setattr(build_mod, "compile_library", fake_compile)
+    count = copying_compiles(built, monkeypatch)
     monkeypatch.delenv("PAGED_DECODE_CACHE", raising=False)
     return count
 

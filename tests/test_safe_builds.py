@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import pytest
 from paged_decode.compile import api, cache
 from paged_decode.runtime.artifact import load_artifact, load_weights
 from paged_decode.runtime.errors import ArtifactError
+
+from .conftest import copying_compiles
 
 OPTS = dict(block_size=4, max_context=64, batch_buckets=())  # as the session's `build`
 
@@ -95,8 +96,6 @@ def test_killed_build_leaves_nothing_loadable_and_a_later_build_succeeds(build, 
                                                                          monkeypatch):
     """The later build's compile copies the library the session built for this key (the
     compile itself: test_two_processes_building_one_key_compile_once)."""
-    from paged_decode.compile import build as build_mod
-
     built = build("tiny", **OPTS)
     root, started = tmp_path / "root", tmp_path / "started"
     proc = _spawn(KILLED, root, started)
@@ -117,11 +116,7 @@ def test_killed_build_leaves_nothing_loadable_and_a_later_build_succeeds(build, 
     with pytest.raises(ArtifactError, match="readonly; build it with: paged-compile"):
         api.prepare("tiny", artifacts=root, policy="readonly", **OPTS)
 
-    def copy_compile(spec, target, manifest, out_dir):
-        assert manifest["digest"] == built.manifest.digest
-        return Path(shutil.copy(built.artifact_dir / "model.so", out_dir / "model.so"))
-
-    monkeypatch.setattr(build_mod, "compile_library", copy_compile)
+    copying_compiles(built, monkeypatch)
     prepared = api.prepare("tiny", artifacts=root, **OPTS)  # the dead builder's lock is free
     assert not prepared.cache_hit and prepared.artifact_dir == root / name
     assert not partial.exists()  # swept: its pid is gone
